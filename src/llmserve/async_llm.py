@@ -1,0 +1,155 @@
+"""AsyncLLM: the engine loop on a background thread, streamed to asyncio callers.
+
+    caller (event loop)                     engine thread
+    ------------------                      -------------
+    generate(): tokenize + validate  --->   commands queue: add / abort
+                 await deltas         <---  step(): deltas -> loop.call_soon_threadsafe
+    aclose()/cancel -> abort         --->   abort runs before the next step (KV freed)
+
+Torch ops release the GIL, so the event loop keeps serving while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+from typing import AsyncIterator, Optional
+
+from llmserve.config import EngineConfig
+from llmserve.llm_engine import LLMEngine, PromptType
+from llmserve.protocol import EngineStats, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; no request can complete."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """Async front of an LLMEngine running on its own thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.fingerprint = engine.system_fingerprint
+        self.max_model_len = engine.max_model_len
+        self.block_size = engine.config.block_size
+        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stats = engine.get_stats()
+        self._dead: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+        return cls(LLMEngine(config))
+
+    # ---- client side ----------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, *,
+        priority: "int | str | None" = None, cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        user, children = self.engine.make_requests(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+            deadline=deadline)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._commands.put(("add", user, children))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, user, children = cmd
+            try:
+                self.engine.add_prepared(user, children)
+            except Exception as exc:  # e.g. a duplicate id: report to that caller only
+                stream = self._streams.get(user.request_id)
+                if stream is not None:
+                    stream.put(exc)
+        elif kind == "abort":
+            out = self.engine.abort_request(cmd[1])
+            if out is not None:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                block = not engine.has_unfinished_requests()
+                try:
+                    cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                    self._handle(cmd)
+                    while True:
+                        self._handle(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._deliver(out)
+                self._stats = engine.get_stats()
+        except BaseException as exc:  # noqa: BLE001 - report the crash to every caller
+            logger.exception("engine loop crashed")
+            self._dead = exc
+            err = EngineDeadError(f"engine loop died: {exc!r}")
+            for stream in list(self._streams.values()):
+                stream.put(err)
+
+

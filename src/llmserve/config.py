@@ -1,0 +1,62 @@
+"""Engine configuration: one frozen dataclass whose fields are the CLI's engine flags."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine instance.
+
+    Field names are the CLI flags in snake case (``--kv-cache-gib`` -> ``kv_cache_gib``).
+    """
+
+    model: Optional[str] = None            # HF folder or .gguf file; None: the default model
+    dtype: str = "auto"                    # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    device: str = "auto"                   # auto | cpu | cuda | cuda:N
+    block_size: int = 16                   # tokens per KV block
+    kv_cache_gib: Optional[float] = None   # KV pool size; None: gpu_memory_utilization / cpu default
+    kv_cache_fraction: float = 0.5         # of free memory when kv_cache_gib is None
+    num_kv_blocks: Optional[int] = None    # overrides the memory budget (tests use tiny pools)
+    max_num_seqs: int = 64                 # sequences per step
+    max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decodes)
+    max_prefill_tokens_per_step: Optional[int] = None  # cap on prefill tokens per step
+    max_model_len: Optional[int] = None    # context length; None: the model's
+    enable_prefix_caching: bool = True
+    aging_rate: float = 0.1                # priority classes gained per second of waiting
+    preemption_cooldown_steps: int = 4     # a preempted request is not preempted again this soon
+    seed: int = 0                          # default generator seed for unseeded requests
+    num_threads: Optional[int] = None      # torch CPU threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.aging_rate < 0:
+            raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """Build from keyword args, rejecting unknown names with a clear message."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; valid: {sorted(names)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,166 @@
+"""The pool of KV blocks: reference counts, an LRU free queue and the prefix-cache map (no torch).
+
+Every block is in exactly one of three states::
+
+    in use        ref_cnt > 0, not in the free queue, may carry a hash (shared prefix)
+    free cached   ref_cnt == 0, in the free queue, carries a hash (can still be hit)
+    free empty    ref_cnt == 0, in the free queue, no hash
+
+    free queue:  head (evicted first) <-> ... <-> tail (freed most recently)
+
+Allocation pops from the head (evicting the hash of a cached block); freeing appends at
+the tail; a prefix hit on a free cached block unlinks it from the middle. All O(1).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from llmserve.engine.block_hash import BlockHash
+
+
+class KVBlock:
+    """Metadata of one KV block; its tensors live in the model runner at index ``block_id``."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "namespace", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[BlockHash] = None
+        self.namespace: Optional[str] = None  # tenant salt of a cached block
+        self.prev: Optional[KVBlock] = None
+        self.next: Optional[KVBlock] = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-2)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next = block
+        block.prev = last
+        block.next = self._tail
+        self._tail.prev = block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        if block.prev is None or block.next is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next
+        if first is None or first is self._tail:
+            raise RuntimeError("no free KV block")
+        self.remove(first)
+        return first
+
+    def __iter__(self):
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+    def contains(self, block: KVBlock) -> bool:
+        return block.prev is not None and block.next is not None
+
+
+class BlockPool:
+    """Owns all KVBlock objects; hands them out and takes them back."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    def lookup(self, block_hash: BlockHash) -> Optional[KVBlock]:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the LRU end of the free queue, evicting their hashes."""
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, only {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks; a free cached one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero go to the queue tail.
+
+        Callers pass a sequence's blocks last-first, so its tail blocks (least likely
+        to be shared) are evicted before its head blocks.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, namespace: Optional[str]) -> None:
+        """Register a full block under its chained hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        block.namespace = namespace
+        self.cached[block_hash] = block
+
+    def _drop_hash(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.namespace = None
+
+    def reset_cache(self, namespace: Optional[str] = None, all_namespaces: bool = True) -> int:
+        """Forget cached hashes (all, or one tenant's). Contents of blocks in use are untouched."""
+        dropped = 0
+        for block in list(self.cached.values()):
+            if all_namespaces or block.namespace == namespace:
+                self._drop_hash(block)
+                dropped += 1
+        return dropped

@@ -1,0 +1,130 @@
+"""EngineCore: schedule -> execute -> sample -> update, one step at a time (no torch).
+
+The model runner is injected (anything with ``execute(sched, block_tables)`` and
+``release(request_id)``), so this module, like the scheduler and the block manager,
+imports no torch and can be driven by a fake runner in tests.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol
+
+from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.protocol import CompletionOutput, EngineStats, FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]): ...
+    def release(self, request_id: str) -> None: ...
+
+
+class SequenceUpdate:
+    """What one step did to one sequence: a delta plus, maybe, its end."""
+
+    __slots__ = ("request", "delta")
+
+    def __init__(self, request: Request, delta: CompletionOutput) -> None:
+        self.request = request
+        self.delta = delta
+
+
+class EngineCore:
+    """Owns the scheduler, the KV manager and the runner; `step()` advances every sequence."""
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, outputs: OutputProcessor,
+                 check_invariants: bool = False) -> None:
+        self.scheduler = scheduler
+        self.kv: KVCacheManager = scheduler.kv
+        self.runner = runner
+        self.outputs = outputs
+        self.check_invariants_each_step = check_invariants
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.last_runner_output = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str, reason: str = FinishReason.ABORT.value
+                      ) -> Optional[SequenceUpdate]:
+        """End a sequence wherever it is; its KV is free when this returns."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        if reason == FinishReason.ABORT.value:
+            self.scheduler.abort_request(request_id)
+        else:
+            self.scheduler.finish_request(request, reason)
+        self.runner.release(request_id)
+        delta = self.outputs.finish_early(request, reason)
+        self.outputs.release(request_id)
+        return SequenceUpdate(request, delta)
+
+    def expire_deadlines(self, now: float) -> list[SequenceUpdate]:
+        expired = [r for r in self.scheduler.requests.values()
+                   if r.deadline is not None and r.deadline <= now]
+        out = []
+        for r in expired:
+            reason = (FinishReason.QUEUE_TIMEOUT.value if r.status is RequestStatus.WAITING
+                      and r.num_output_tokens == 0 else FinishReason.TIMEOUT.value)
+            upd = self.abort_request(r.request_id, reason)
+            if upd is not None:
+                out.append(upd)
+        return out
+
+    def step(self) -> list[SequenceUpdate]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
+                  for s in sched.scheduled}
+        result = self.runner.execute(sched, tables)
+        self.last_runner_output = result
+        self.scheduler.on_step_done(sched)
+        updates = []
+        requests = self.scheduler.requests
+        lps = result.logprobs
+        tops = result.top_logprobs
+        for i, rid in enumerate(result.request_ids):
+            req = requests.get(rid)
+            if req is None:
+                continue
+            token = result.token_ids[i]
+            req.append_token(token)
+            self.generation_tokens_total += 1
+            if req.num_output_tokens == 1:
+                self.prompt_tokens_total += req.num_prompt_tokens
+            delta, finish, stop_reason = self.outputs.process_token(
+                req, token, lps[i] if lps else None, tops[i] if tops else None)
+            if finish is not None:
+                self.scheduler.finish_request(req, finish, stop_reason)
+                self.runner.release(rid)
+                self.outputs.release(rid)
+            updates.append(SequenceUpdate(req, delta))
+        if self.check_invariants_each_step:
+            self.kv.check_invariants()
+        return updates
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_high_water=self.kv.high_water,
+            num_preemptions=s.num_preemptions,
+            num_aborted=s.num_aborted,
+            prefix_query_tokens=s.prefix.query_tokens,
+            prefix_hit_tokens=s.prefix.hit_tokens,
+            prefix_query_tokens_by_tenant=dict(s.prefix.query_by_tenant),
+            prefix_hit_tokens_by_tenant=dict(s.prefix.hit_by_tenant),
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_steps=s.step_index,
+        )

@@ -1,0 +1,193 @@
+"""Per-request KV block tables on top of the block pool, with prefix caching (no torch).
+
+A running request's block table covers every token whose KV is, or will be after the
+current step, in the cache::
+
+    block table:  [ b0 | b1 | b2 | b3 ]          block_size = 4
+    tokens:       |hit.|hit.|computed..|new new| |
+                  <- prefix-cache hits ->          (shared, ref_cnt > 1 possible)
+                             <- computed -> <- scheduled this step ->
+    full blocks are registered in the cache (hash -> block) as soon as their tokens are
+    scheduled; the forward pass writes a layer's KV before any attention of that layer
+    reads it, so a hit in the same step is safe.
+
+Ledger: `blocks_of(request_id)`, pool totals, `high_water`, and `check_invariants()`.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Iterable, Optional
+
+from llmserve.engine.block_hash import BlockHash, extend_block_hashes, namespace_hash
+from llmserve.engine.block_pool import BlockPool, KVBlock
+from llmserve.engine.request import Request
+
+
+class KVLedgerError(RuntimeError):
+    """An invariant of the KV block ledger does not hold."""
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the KV blocks of requests."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        fingerprint: str = "",
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.fingerprint = fingerprint
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_num_registered: dict[str, int] = {}
+        self._roots: dict[Optional[str], BlockHash] = {}
+        self.high_water = 0
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        """Block ids held by a request (its block table), empty if none."""
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def block_table(self, request_id: str) -> list[KVBlock]:
+        return self._req_blocks.get(request_id, [])
+
+    def ledger(self) -> dict[str, list[int]]:
+        """request id -> block ids, for every request that holds blocks."""
+        return {rid: [b.block_id for b in bl] for rid, bl in self._req_blocks.items()}
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def _root(self, salt: Optional[str]) -> BlockHash:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = namespace_hash(self.fingerprint, salt)
+        return root
+
+    def _hash_upto(self, request: Request, num_tokens: int) -> None:
+        if len(request.block_hashes) < num_tokens // self.block_size:
+            extend_block_hashes(
+                request.block_hashes, request.all_token_ids, self.block_size,
+                self._root(request.cache_salt), num_tokens,
+            )
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Longest chain of cached full blocks for a request that holds no blocks yet.
+
+        The last token is never served from cache (its logits are needed), so a prompt
+        that ends on a block boundary recomputes its whole last block.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._hash_upto(request, max_blocks * self.block_size)
+        hits: list[KVBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     cached: Iterable[KVBlock] = (), reserve: int = 0) -> bool:
+        cached = list(cached)
+        have = len(self._req_blocks.get(request.request_id, ())) + len(cached)
+        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - have
+        # free cached hits sit in the free queue: touching them uses up free blocks too
+        evictable = sum(1 for b in cached if b.ref_cnt == 0)
+        return need + evictable + reserve <= self.pool.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: Iterable[KVBlock] = (), reserve: int = 0) -> bool:
+        """Grow the request's block table to hold ``num_new_tokens`` more tokens.
+
+        ``cached`` are prefix-hit blocks (from `find_cached_prefix`) to take first; the
+        caller then advances ``num_computed_tokens`` past them. Returns False, changing
+        nothing, when the pool cannot supply the blocks while keeping ``reserve`` free.
+        """
+        cached = list(cached)
+        if not self.can_allocate(request, num_new_tokens, cached, reserve):
+            return False
+        rid = request.request_id
+        blocks = self._req_blocks.setdefault(rid, [])
+        if cached:
+            self.pool.touch(cached)
+            blocks.extend(cached)
+        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            num_full = total // self.block_size
+            start = self._req_num_registered.get(rid, 0)
+            if num_full > start:
+                self._hash_upto(request, total)
+                for i in range(start, num_full):
+                    self.pool.cache_block(blocks[i], request.block_hashes[i], request.cache_salt)
+                self._req_num_registered[rid] = num_full
+        used = self.pool.num_used_blocks
+        if used > self.high_water:
+            self.high_water = used
+        return True
+
+    def free(self, request: Request) -> int:
+        """Release every block of a request (tail first). Returns how many it held."""
+        blocks = self._req_blocks.pop(request.request_id, None)
+        self._req_num_registered.pop(request.request_id, None)
+        if not blocks:
+            return 0
+        self.pool.free(reversed(blocks))
+        return len(blocks)
+
+    def reset_prefix_cache(self, namespace: Optional[str] = None, *, all_namespaces: bool = True) -> int:
+        """Forget cached prefixes (all, or one tenant's); blocks in use keep their contents."""
+        return self.pool.reset_cache(namespace, all_namespaces=all_namespaces)
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise KVLedgerError unless every block is either free or owned, exactly once."""
+        owners: Counter[int] = Counter()
+        for rid, blocks in self._req_blocks.items():
+            ids = [b.block_id for b in blocks]
+            if len(set(ids)) != len(ids):
+                raise KVLedgerError(f"request {rid} holds a block twice: {ids}")
+            owners.update(ids)
+        free_ids = [b.block_id for b in self.pool.free_queue]
+        if len(free_ids) != self.pool.free_queue.num_free:
+            raise KVLedgerError("free-queue length counter disagrees with its links")
+        if len(set(free_ids)) != len(free_ids):
+            raise KVLedgerError("a block is in the free queue twice")
+        free_set = set(free_ids)
+        for block in self.pool.blocks:
+            refs = owners.get(block.block_id, 0)
+            if block.ref_cnt != refs:
+                raise KVLedgerError(f"{block}: ref_cnt {block.ref_cnt} but {refs} owner(s)")
+            if (block.ref_cnt == 0) != (block.block_id in free_set):
+                raise KVLedgerError(f"{block}: free iff ref_cnt == 0 violated")
+        if len(free_set) + len(owners) != self.pool.num_blocks:
+            raise KVLedgerError(
+                f"lost blocks: {len(free_set)} free + {len(owners)} owned != {self.pool.num_blocks}"
+            )
+        for h, block in self.pool.cached.items():
+            if block.block_hash != h:
+                raise KVLedgerError(f"cache map entry disagrees with {block}")

@@ -1,0 +1,243 @@
+"""Continuous-batching scheduler: one token budget per step, chunked prefill, priorities
+with aging, recompute preemption and abort (no torch).
+
+Each step it walks the requests in priority order and gives each the tokens it needs to
+catch up with its tokens (1 for a decode, up to the rest of its prompt for a prefill)::
+
+    budget = max_num_batched_tokens           prefill cap = max_prefill_tokens_per_step
+    1. running requests (they hold KV): decode tokens first, then unfinished prefills;
+       when a block is missing, preempt the lowest-priority, latest-arrived running
+       request not yet scheduled this step (recently preempted ones are spared)
+    2. waiting requests (new and preempted), only if nobody was preempted this step:
+       prefix-cache lookup, then as many prompt tokens as the budget allows (chunked)
+
+Priority key (lower runs first): class rank - aging_rate * seconds waited, then arrival.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_tokens_per_step: Optional[int] = None
+    aging_rate: float = 0.1
+    preemption_cooldown_steps: int = 4
+    admission_watermark_blocks: int = 0  # free blocks kept when admitting waiting requests
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int            # num_computed_tokens before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's tokens (a token is sampled)."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class PrefixCacheCounters:
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    query_by_tenant: dict[str, int] = field(default_factory=dict)
+    hit_by_tenant: dict[str, int] = field(default_factory=dict)
+
+    def record(self, tenant: Optional[str], queried: int, hit: int) -> None:
+        self.query_tokens += queried
+        self.hit_tokens += hit
+        key = tenant or ""
+        self.query_by_tenant[key] = self.query_by_tenant.get(key, 0) + queried
+        self.hit_by_tenant[key] = self.hit_by_tenant.get(key, 0) + hit
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_index = 0
+        self.num_preemptions = 0
+        self.num_aborted = 0
+        self.prefix = PrefixCacheCounters()
+
+    # ---- queue management ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        need = self.kv.blocks_needed(request.max_total_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks ({request.max_total_tokens} tokens) but the whole "
+                f"pool has {self.kv.num_blocks}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        """Remove a request wherever it is and free its KV now. None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.num_aborted += 1
+        self.finish_request(request, "abort")
+        return request
+
+    def finish_request(self, request: Request, reason: str, stop_reason: "str | int | None" = None) -> None:
+        """Mark a request finished, drop it from its queue and free its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status.is_waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.metrics.finished_time = self.clock()
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def _key(self, request: Request, now: float) -> tuple[float, float]:
+        waited = now - request.arrival_time
+        return (request.priority - self.config.aging_rate * waited, request.arrival_time)
+
+    # ---- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        now = self.clock()
+        self.step_index += 1
+        out = SchedulerOutput(step=self.step_index)
+        budget = cfg.max_num_batched_tokens
+        prefill_cap = cfg.max_prefill_tokens_per_step or budget
+        scheduled_ids: set[str] = set()
+
+        self.running.sort(key=lambda r: self._key(r, now))
+        # decodes before unfinished prefills, each group in priority order
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = request.num_tokens - request.num_computed_tokens
+            is_prefill = remaining > 1
+            num_new = min(remaining, budget, prefill_cap if is_prefill else remaining)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim(scheduled_ids | {request.request_id})
+                if victim is None:
+                    victim = request
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self._add(out, request, num_new, is_prefill, scheduled_ids)
+            budget -= num_new
+            if is_prefill:
+                prefill_cap -= num_new
+
+        if not out.preempted:
+            self.waiting.sort(key=lambda r: self._key(r, now))
+            admitted = []
+            for request in self.waiting:
+                if budget <= 0 or prefill_cap <= 0 or len(self.running) >= cfg.max_num_seqs:
+                    break
+                cached = self.kv.find_cached_prefix(request)
+                num_cached = len(cached) * self.kv.block_size
+                remaining = request.num_tokens - num_cached
+                num_new = min(remaining, budget, prefill_cap if remaining > 1 else remaining)
+                if not self.kv.allocate_slots(request, num_new, cached,
+                                              reserve=cfg.admission_watermark_blocks):
+                    break  # keep priority order: nobody jumps a request that does not fit
+                first_time = request.num_cached_tokens < 0
+                if first_time:
+                    # hits after a preemption are recomputation, not prefix-cache hits
+                    request.num_cached_tokens = num_cached
+                    self.prefix.record(request.cache_salt, request.num_prompt_tokens, num_cached)
+                    request.metrics.first_scheduled_time = now
+                request.num_computed_tokens = num_cached
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                admitted.append(request)
+                self._add(out, request, num_new, remaining > 1, scheduled_ids)
+                budget -= num_new
+                if remaining > 1:
+                    prefill_cap -= num_new
+            if admitted:
+                gone = {r.request_id for r in admitted}
+                self.waiting = [r for r in self.waiting if r.request_id not in gone]
+        return out
+
+    def _add(self, out: SchedulerOutput, request: Request, num_new: int, is_prefill: bool,
+             scheduled_ids: set[str]) -> None:
+        out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+        out.num_batched_tokens += num_new
+        if is_prefill:
+            out.num_prefill_tokens += num_new
+        scheduled_ids.add(request.request_id)
+
+    def _pick_victim(self, exclude: set[str]) -> Optional[Request]:
+        """Lowest priority, most recent arrival; spare recently preempted requests if possible."""
+        now = self.clock()
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        if not candidates:
+            return None
+        cooldown = self.config.preemption_cooldown_steps
+        fresh = [r for r in candidates if self.step_index - r.last_preempted_step > cooldown]
+        pool = fresh or candidates
+        return max(pool, key=lambda r: self._key(r, now))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        request.last_preempted_step = self.step_index
+        self.num_preemptions += 1
+        self.waiting.append(request)  # its old arrival time puts it first in its class
+        out.preempted.append(request)
+        logger.debug("preempted %s", request.request_id)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance progress of every request that ran in this step."""
+        for s in out.scheduled:
+            if s.request.status is RequestStatus.RUNNING:
+                s.request.num_computed_tokens = s.start + s.num_new_tokens

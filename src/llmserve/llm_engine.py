@@ -1,0 +1,245 @@
+"""LLMEngine: builds the whole engine from an EngineConfig and speaks in user requests.
+
+A user request with ``n`` completions becomes ``n`` engine sequences (ids ``rid``,
+``rid#1`` ...) that share the prompt (and, with the prefix cache, its KV blocks); their
+per-step deltas are folded back into one RequestOutput per user request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from llmserve import __version__
+from llmserve.config import EngineConfig
+from llmserve.default_model import resolve_model_path
+from llmserve.engine.core import EngineCore, SequenceUpdate
+from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.request import Request
+from llmserve.engine.scheduler import Scheduler, SchedulerConfig
+from llmserve.protocol import CompletionOutput, EngineStats, RequestOutput, priority_value
+from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, Sequence[int]]
+
+
+@dataclass
+class _UserRequest:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    children: list[str]
+    num_cached_tokens: int = 0
+    finished_children: set = field(default_factory=set)
+    arrival_time: float = 0.0
+
+
+class LLMEngine:
+    """Synchronous engine: `add_request`, then call `step()` until nothing is left."""
+
+    def __init__(self, config: EngineConfig, *, check_invariants: bool = False) -> None:
+        import torch  # noqa: F401  (the runner needs it; imported here to keep errors early)
+
+        from llmserve.model.loader import load_checkpoint
+        from llmserve.model.runner import ModelRunner, resolve_device, resolve_dtype
+
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        t0 = time.time()
+        ckpt = load_checkpoint(self.model_path)
+        self.model_config = ckpt.config
+        self.tokenizer = Tokenizer.from_path(self.model_path)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        self.kv_dtype = str(dtype).replace("torch.", "")
+        model_len = ckpt.config.max_position_embeddings
+        if config.max_model_len is not None:
+            if config.max_model_len > model_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                                 f"context of {model_len}")
+            model_len = config.max_model_len
+        eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
+        gen_eos = ckpt.generation_config.get("eos_token_id")
+        if isinstance(gen_eos, int):
+            eos |= {gen_eos}
+        elif isinstance(gen_eos, list):
+            eos |= set(gen_eos)
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(config, ckpt.config, ckpt.weights, model_len, eos)
+        del ckpt.weights
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < model_len:
+            logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no more",
+                           model_len, pool_tokens)
+            model_len = pool_tokens
+        self.max_model_len = model_len
+        self.weights_fingerprint = ckpt.weights_fingerprint
+        self.fingerprint = self._fingerprint(ckpt.config, self.weights_fingerprint)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching, self.fingerprint)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+            aging_rate=config.aging_rate,
+            preemption_cooldown_steps=config.preemption_cooldown_steps,
+            admission_watermark_blocks=max(1, self.runner.num_blocks // 100),
+        )
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.core = EngineCore(self.scheduler, self.runner, OutputProcessor(self.tokenizer),
+                               check_invariants=check_invariants)
+        self.model_name = _model_name(self.model_path)
+        self._requests: dict[str, _UserRequest] = {}
+        self._child_parent: dict[str, str] = {}
+        logger.info("engine ready in %.1fs: %s (%s), fingerprint %s", time.time() - t0,
+                    self.model_name, self.kv_dtype, self.fingerprint[:16])
+
+    # ---- identity ----------------------------------------------------------------------
+    def _fingerprint(self, mc, weights_fp: str) -> str:
+        parts = {
+            "engine": __version__,
+            "architecture": mc.architecture,
+            "model_config": {k: v for k, v in sorted(vars(mc).items()) if k != "eos_token_ids"},
+            "weights": weights_fp,
+            "quantization": mc.quantization,
+            "tokenizer": self.tokenizer.fingerprint,
+            "kv_dtype": self.kv_dtype,
+            "block_size": self.config.block_size,
+        }
+        blob = json.dumps(parts, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def system_fingerprint(self) -> str:
+        return "fp_" + self.fingerprint[:16]
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
+        return None, ids
+
+    def make_requests(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+        priority: "int | str | None" = None, cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None, deadline: Optional[float] = None,
+    ) -> tuple[_UserRequest, list[Request]]:
+        """Validate and tokenize (thread-safe, touches no engine state)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("sampling_params must be a SamplingParams")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        want = len(ids) + (params.max_tokens or 0)
+        if len(ids) >= self.max_model_len or want > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {self.max_model_len} tokens")
+        prio = priority_value(priority)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            cid = request_id if i == 0 else f"{request_id}#{i}"
+            children.append(Request(
+                cid, ids, params.child(i) if params.n > 1 else params, prompt=text,
+                priority=prio, arrival_time=arrival, cache_salt=cache_salt,
+                eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                deadline=deadline, parent_id=request_id, index=i))
+        user = _UserRequest(request_id, text, ids, [c.request_id for c in children],
+                            arrival_time=arrival)
+        return user, children
+
+    def add_prepared(self, user: _UserRequest, children: list[Request]) -> None:
+        if user.request_id in self._requests:
+            raise ValueError(f"request id {user.request_id!r} is already in the engine")
+        for c in children:
+            self.core.add_request(c)
+            self._child_parent[c.request_id] = user.request_id
+        self._requests[user.request_id] = user
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    **kwargs) -> None:
+        user, children = self.make_requests(request_id, prompt, params, **kwargs)
+        self.add_prepared(user, children)
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> Optional[RequestOutput]:
+        """Abort a user request (all its completions). Returns its final output, if it existed."""
+        user = self._requests.get(request_id)
+        if user is None:
+            return None
+        updates = [u for cid in user.children
+                   if (u := self.core.abort_request(cid, reason)) is not None]
+        outs = self._fold(updates)
+        return outs[0] if outs else None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the deltas of every user request that changed."""
+        updates = self.core.expire_deadlines(time.time())
+        updates += self.core.step()
+        return self._fold(updates)
+
+    def _fold(self, updates: list[SequenceUpdate]) -> list[RequestOutput]:
+        by_parent: dict[str, RequestOutput] = {}
+        for u in updates:
+            pid = self._child_parent.get(u.request.request_id)
+            if pid is None:
+                continue
+            user = self._requests[pid]
+            out = by_parent.get(pid)
+            if out is None:
+                out = by_parent[pid] = RequestOutput(
+                    request_id=pid, prompt=user.prompt, prompt_token_ids=user.prompt_token_ids,
+                    outputs=[], metrics=u.request.metrics)
+            if u.request.index == 0 and u.request.num_cached_tokens > 0:
+                user.num_cached_tokens = u.request.num_cached_tokens
+            out.outputs.append(u.delta)
+            if u.delta.finish_reason is not None:
+                user.finished_children.add(u.request.request_id)
+                self._child_parent.pop(u.request.request_id, None)
+        for pid, out in by_parent.items():
+            user = self._requests[pid]
+            out.num_cached_tokens = user.num_cached_tokens
+            if len(user.finished_children) == len(user.children):
+                out.finished = True
+                del self._requests[pid]
+        return list(by_parent.values())
+
+    # ---- introspection -----------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+
+    def reset_prefix_cache(self, namespace: Optional[str] = None) -> int:
+        return self.kv.reset_prefix_cache(namespace, all_namespaces=namespace is None)
+
+
+def _model_name(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path))
+    if base.lower().endswith(".gguf"):
+        base = base[:-5]
+        for q in (".Q4_1", ".Q4_0", ".Q8_0", ".Q4_K_M", ".F16", ".F32"):
+            if base.endswith(q):
+                base = base[: -len(q)]
+    return base or "model"

@@ -1,0 +1,77 @@
+"""Paged attention in plain PyTorch: write new K/V through a slot mapping, gather each
+sequence's keys through its block table, then one SDPA call per group.
+
+The flat token batch of a step is laid out decodes first, then prefill chunks::
+
+    tokens:  [d0 d1 ... d_{B-1} | p0 p0 p0 p0 | p1 p1 | ... ]
+              one query each      chunk of seq 0, seq 1 ...
+
+    decode group : q (Bd, H, 1, D) vs keys (Bd, Hkv, Ld, D), mask key < ctx_len
+    prefill group: q padded to (Bp, H, Qmax, D) vs keys (Bp, Hkv, Lp, D),
+                   mask key <= query position (causal over cached + new tokens)
+
+All index tensors are built once per step (AttentionMetadata) and reused by every layer.
+KV cache per layer: (num_blocks * block_size, num_kv_heads, head_dim); slot = block * bs + offset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class GroupMetadata:
+    """Index tensors of one attention group (decode or prefill)."""
+
+    key_slots: torch.Tensor        # (B, L) long: cache slot of each key position (padding -> 0)
+    mask: torch.Tensor             # (B, 1, Q, L) bool
+    query_index: Optional[torch.Tensor] = None  # prefill: (B*Qmax,) flat-token index per padded query
+    output_index: Optional[torch.Tensor] = None  # prefill: (Np,) padded row of each real query
+    max_query: int = 1
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # (T,) long: where each new token's K/V is written
+    num_decode: int
+    decode: Optional[GroupMetadata]
+    prefill: Optional[GroupMetadata]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q (T, H, D), k/v (T, Hkv, D) for the new tokens -> attention output (T, H*D)."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    T, H, D = q.shape
+    outs = []
+    nd = meta.num_decode
+    if meta.decode is not None:
+        g = meta.decode
+        keys = k_cache[g.key_slots].transpose(1, 2)      # (Bd, Hkv, L, D)
+        values = v_cache[g.key_slots].transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)                          # (Bd, H, 1, D)
+        outs.append(_attend(qd, keys, values, g.mask, scale).reshape(nd, H * D))
+    if meta.prefill is not None:
+        g = meta.prefill
+        bp = g.key_slots.shape[0]
+        qp = q[nd:].index_select(0, g.query_index).view(bp, g.max_query, H, D).transpose(1, 2)
+        keys = k_cache[g.key_slots].transpose(1, 2)
+        values = v_cache[g.key_slots].transpose(1, 2)
+        o = _attend(qp, keys, values, g.mask, scale)      # (Bp, H, Qmax, D)
+        o = o.transpose(1, 2).reshape(bp * g.max_query, H * D)
+        outs.append(o.index_select(0, g.output_index))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -1,0 +1,122 @@
+"""Plain data types shared by the engine, the offline API and the server.
+
+No torch and no HTTP here: these objects cross the seam between the engine core
+(which runs the model) and everything that talks to users.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped. Values are the OpenAI API strings where one exists."""
+
+    STOP = "stop"          # EOS, a stop token id or a stop string
+    LENGTH = "length"      # max_tokens or the model's context reached
+    ABORT = "abort"        # cancelled by the caller (client went away)
+    TIMEOUT = "timeout"    # the request's deadline passed
+    QUEUE_TIMEOUT = "queue_timeout"  # waited in the queue longer than allowed
+
+
+#: Priority classes: a lower number is served first. Integers are accepted too.
+PRIORITY_CLASSES: dict[str, int] = {"interactive": 0, "default": 1, "batch": 2}
+
+
+def priority_value(priority: "int | str | None") -> int:
+    """Map a priority class name (or an int) to its integer rank; lower runs first."""
+    if priority is None:
+        return PRIORITY_CLASSES["default"]
+    if isinstance(priority, bool):
+        raise ValueError("priority must be a class name or an integer")
+    if isinstance(priority, int):
+        return priority
+    if isinstance(priority, str) and priority in PRIORITY_CLASSES:
+        return PRIORITY_CLASSES[priority]
+    raise ValueError(
+        f"unknown priority {priority!r}; use one of {sorted(PRIORITY_CLASSES)} or an integer"
+    )
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token plus the top-N alternatives (raw model distribution)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request's life in the engine."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request.
+
+    In a final output (LLM.generate) `text`/`token_ids`/`logprobs` are cumulative.
+    In a streamed output (AsyncLLM.generate) they hold only what is new since the last
+    output for this index; `num_tokens` is always the cumulative count.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: "Optional[str | int]" = None  # the stop string or token id that matched
+    logprobs: Optional[list[TokenLogprob]] = None
+    num_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports about one request (final, or a streamed increment)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine, cheap to read from any thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_high_water: int = 0
+    num_preemptions: int = 0
+    num_aborted: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    prefix_hit_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0

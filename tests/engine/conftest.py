@@ -1,0 +1,29 @@
+import pytest
+
+from llmserve.engine.core import EngineCore
+from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.scheduler import Scheduler, SchedulerConfig
+
+from .fake_runner import CharTokenizer, FakeRunner
+
+BLOCK = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_core(num_blocks=64, caching=True, clock=None, **sched_kwargs) -> EngineCore:
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching, fingerprint="test")
+    sched = Scheduler(SchedulerConfig(**sched_kwargs), kv, clock=clock or Clock())
+    return EngineCore(sched, FakeRunner(), OutputProcessor(CharTokenizer()), check_invariants=True)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
