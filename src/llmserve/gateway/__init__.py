@@ -5,7 +5,7 @@ OpenAI bodies), ratelimit (per-tenant token buckets), admission (400/503 before 
 engine), idempotency (Idempotency-Key store), ledger (billing records), request_log
 (one JSON line per request). See docs/GATEWAY.md.
 """
-from llmserve.gateway.admission import AdmissionController, QueueTicket, kv_tokens_needed
+from llmserve.gateway.admission import AdmissionController, QueueTicket, kv_tokens_needed, parse_request_timeout
 from llmserve.gateway.auth import Authenticator
 from llmserve.gateway.config import (
     GatewayConfig,
@@ -33,7 +33,7 @@ from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter
 from llmserve.gateway.request_log import log_request_summary
 
 __all__ = [
-    "AdmissionController", "QueueTicket", "kv_tokens_needed", "Authenticator", "GatewayConfig",
+    "AdmissionController", "QueueTicket", "kv_tokens_needed", "parse_request_timeout", "Authenticator", "GatewayConfig",
     "ModelRoute", "QueueConfig", "TenantConfig", "generate_api_key", "hash_api_key",
     "AuthenticationError", "ContextLengthExceeded", "GatewayError", "IdempotencyConflict",
     "IdempotencyMismatch", "InvalidRequest", "OverloadedError", "PermissionDeniedError",

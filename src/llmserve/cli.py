@@ -1,0 +1,129 @@
+"""The `llmserve` command line: generate, serve, bench, kv-calc, keys, billing."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from llmserve.config import EngineConfig
+
+logger = logging.getLogger("llmserve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags; each maps to the EngineConfig field of the same name in snake case."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-gib", type=float, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-prefill-tokens-per-step", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--aging-rate", type=float, default=0.1)
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--engine-seed", dest="seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        aging_rate=args.aging_rate, num_threads=args.num_threads, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmserve.llm_engine import LLMEngine
+    from llmserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    engine.add_request("cli-0", prompt, params)
+    out = sys.stdout
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for c in delta.outputs:
+                out.write(c.text)
+                out.flush()
+    out.write("\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.server.launch import serve_from_args
+
+    return serve_from_args(args, engine_config_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and stream it to stdout")
+    add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--config", default=None, help="gateway config file (tenants, quotas)")
+    s.add_argument("--served-model-name", default=None)
+    s.set_defaults(func=cmd_serve)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    from llmserve.bench.offline import add_offline_bench_parser
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    add_offline_bench_parser(bsub, add_engine_args, engine_config_from_args)
+    try:
+        from llmserve.bench.cli import add_bench_subparsers, add_kv_calc_subparser
+    except ImportError:  # pragma: no cover - bench tool not present
+        return
+    add_bench_subparsers(bsub)
+    add_kv_calc_subparser(sub)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        parser.exit(2, f"llmserve: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""The gateway config file: tenants, API key hashes, limits, queue, fallback routes.
+
+``GatewayConfig.load(path)`` reads YAML (``.yaml``/``.yml``/anything else) or TOML
+(``.toml``) and validates strictly: an unknown key, a wrong type or a malformed key hash
+raises ``ValueError`` naming the place, e.g. ``tenants.acme.keys[0]: ...``.
+Without a config file the server runs open: ``GatewayConfig.open_default()`` has one
+tenant, ``default``, that needs no key and may use every model.
+
+The full format is documented in docs/GATEWAY.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from llmserve.protocol import PRIORITY_CLASSES, priority_value
+
+KEY_HASH_PREFIX = "sha256:"
+_KEY_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+OPEN_TENANT = "default"
+
+
+def hash_api_key(key: str) -> str:
+    """The stored form of an API key: ``"sha256:" + hex(sha256(key))``."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("an API key must be a non-empty string")
+    return KEY_HASH_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def generate_api_key() -> str:
+    """A new random API key (``sk-`` + 43 URL-safe characters, 256 bits)."""
+    return "sk-" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """Bounds of the waiting queue (see llmserve.gateway.admission)."""
+
+    max_requests: int = 64       # requests waiting for the engine to start them
+    max_tokens: int = 65536      # sum over waiting requests of prompt + max_tokens
+    timeout_s: float = 30.0      # longest wait before a request is removed (503)
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """Routing for one served model name: the model to use when it is overloaded."""
+
+    name: str
+    fallback: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant: who it is (key hashes) and what it may do."""
+
+    name: str
+    key_hashes: tuple[str, ...] = ()
+    models: tuple[str, ...] = ("*",)            # fnmatch patterns, case-sensitive
+    priority: str = "default"                   # a name in llmserve.protocol.PRIORITY_CLASSES
+    requests_per_minute: Optional[int] = None   # None: unlimited
+    tokens_per_minute: Optional[int] = None     # None: unlimited
+    allow_fallback: bool = False
+    max_request_timeout_s: Optional[float] = None  # cap on X-Request-Timeout; None: no cap
+    max_concurrent: Optional[int] = None        # requests in flight at once; None: unlimited
+    shared_prefix: bool = False                 # opt in to a shared prefix-cache namespace
+    cache_namespace: Optional[str] = None       # that namespace's name (default "public")
+
+    def allows_model(self, model: str) -> bool:
+        """True when ``model`` matches one of the tenant's ``models`` patterns."""
+        return any(fnmatchcase(model, pattern) for pattern in self.models)
+
+    @property
+    def priority_rank(self) -> int:
+        """The engine's integer priority for this tenant's requests (lower runs first)."""
+        return priority_value(self.priority)
+
+    @property
+    def cache_salt(self) -> str:
+        """The engine's prefix-cache salt for this tenant's requests.
+
+        ``tenant:<name>`` keeps every tenant's cache entries private; a tenant with
+        ``shared_prefix: true`` uses ``shared:<cache_namespace>`` instead, shared with
+        the other tenants that opted in to the same namespace. The two prefixes keep a
+        shared namespace from ever colliding with a tenant's private one.
+        """
+        if self.shared_prefix:
+            return f"shared:{self.cache_namespace or 'public'}"
+        return f"tenant:{self.name}"
+
+    def effective_timeout(self, default_s: float, requested_s: Optional[float] = None) -> float:
+        """The request's deadline in seconds: the header's value (if any) or the default,
+        capped by this tenant's ``max_request_timeout_s``."""
+        timeout = default_s if requested_s is None else requested_s
+        if self.max_request_timeout_s is not None:
+            timeout = min(timeout, self.max_request_timeout_s)
+        return timeout
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The whole gateway config. ``auth_required`` is False only in open mode."""
+
+    tenants: Mapping[str, TenantConfig]
+    models: Mapping[str, ModelRoute] = field(default_factory=dict)
+    queue: QueueConfig = QueueConfig()
+    request_timeout_s: float = 120.0
+    database: Optional[str] = None      # SQLite file for the ledger and idempotency keys
+    idempotency_ttl_s: float = 86400.0
+    auth_required: bool = True
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike[str]") -> "GatewayConfig":
+        """Read and validate a YAML or TOML (by ``.toml`` suffix) config file.
+
+        A relative ``database`` path is resolved against the config file's folder.
+        """
+        p = Path(path)
+        text = p.read_text(encoding="utf-8")
+        if p.suffix.lower() == ".toml":
+            try:
+                data = _parse_toml(text)
+            except ValueError as e:
+                raise ValueError(f"{p}: {e}") from e
+        else:
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{p}: not valid YAML: {e}") from e
+        return cls.from_dict(data, base_dir=p.resolve().parent)
+
+    @classmethod
+    def from_dict(cls, data: Any, base_dir: "str | os.PathLike[str] | None" = None) -> "GatewayConfig":
+        """Validate an already parsed config mapping (see :meth:`load`)."""
+        root = _Section(data, "")
+        database = root.take("database", _string, None)
+        if database == ":memory:":
+            raise ValueError("database: must be a file path (the ledger must survive restarts)")
+        if database is not None and base_dir is not None:
+            database = str(Path(base_dir) / Path(database).expanduser())
+        queue = _parse_queue(root.take("queue", _mapping, {}))
+        request_timeout_s = root.take("request_timeout_s", _positive_number, 120.0)
+        idempotency_ttl_s = root.take("idempotency_ttl_s", _positive_number, 86400.0)
+        models = _parse_models(root.take("models", _mapping, {}))
+        tenants = _parse_tenants(root.take("tenants", _mapping, None))
+        root.finish()
+        return cls(tenants=tenants, models=models, queue=queue, request_timeout_s=request_timeout_s,
+                   database=database, idempotency_ttl_s=idempotency_ttl_s, auth_required=True)
+
+    @classmethod
+    def open_default(cls, database: Optional[str] = None) -> "GatewayConfig":
+        """Open mode (no config file): one tenant ``default``, no key, every model, no limits."""
+        tenant = TenantConfig(name=OPEN_TENANT, priority="default", allow_fallback=True)
+        return cls(tenants={OPEN_TENANT: tenant}, database=database, auth_required=False)
+
+    def fallback_for(self, model: str) -> Optional[str]:
+        """The configured fallback model for ``model``, or None."""
+        route = self.models.get(model)
+        return route.fallback if route else None
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse_toml(text: str) -> Any:
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError as e:
+            raise ValueError("TOML config files need Python 3.11+ (or the tomli package)") from e
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"not valid TOML: {e}") from e
+
+
+class _Section:
+    """One mapping of the config: take known keys with type checks, then reject the rest."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if not isinstance(data, Mapping):
+            where = path or "config"
+            raise ValueError(f"{where}: expected a mapping, got {_kind(data)}")
+        self.data = data
+        self.path = path
+        self.seen: set[str] = set()
+
+    def child(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def take(self, key: str, check: Callable[[Any, str], Any], default: Any) -> Any:
+        """The checked value of ``key``; ``default`` when it is absent or null."""
+        self.seen.add(key)
+        if self.data.get(key) is None:
+            return default
+        return check(self.data[key], self.child(key))
+
+    def finish(self) -> None:
+        for key in self.data:
+            if key not in self.seen:
+                raise ValueError(f"{self.child(str(key))}: unknown key")
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _mapping(value: Any, path: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{path}: expected a mapping, got {_kind(value)}")
+    return value
+
+
+def _string(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{path}: expected a non-empty string, got {_kind(value)}")
+    return value
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}: expected true or false, got {_kind(value)}")
+    return value
+
+
+def _positive_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{path}: expected an integer, got {_kind(value)}")
+    if value < 1:
+        raise ValueError(f"{path}: must be at least 1, got {value}")
+    return value
+
+
+def _positive_number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}: expected a number, got {_kind(value)}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{path}: must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def _string_list(value: Any, path: str) -> list[str]:
+    if not isinstance(value, list):
+        raise ValueError(f"{path}: expected a list, got {_kind(value)}")
+    return [_string(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+
+def _name(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValueError(f"{path}: names must be 1-64 characters of letters, digits, '_', '.', '-' "
+                         f"starting with a letter or digit, got {value!r}")
+    return value
+
+
+def _parse_queue(data: Mapping) -> QueueConfig:
+    section = _Section(data, "queue")
+    default = QueueConfig()
+    queue = QueueConfig(
+        max_requests=section.take("max_requests", _positive_int, default.max_requests),
+        max_tokens=section.take("max_tokens", _positive_int, default.max_tokens),
+        timeout_s=section.take("timeout_s", _positive_number, default.timeout_s),
+    )
+    section.finish()
+    return queue
+
+
+def _parse_models(data: Mapping) -> dict[str, ModelRoute]:
+    routes: dict[str, ModelRoute] = {}
+    for name, body in data.items():
+        path = f"models.{name}"
+        _string(name, path)
+        section = _Section({} if body is None else body, path)
+        fallback = section.take("fallback", _string, None)
+        section.finish()
+        if fallback == name:
+            raise ValueError(f"{path}.fallback: a model cannot be its own fallback")
+        routes[name] = ModelRoute(name=name, fallback=fallback)
+    for name, route in routes.items():  # a fallback chain must not loop back
+        seen = {name}
+        current = route.fallback
+        while current is not None and current in routes:
+            if current in seen:
+                raise ValueError(f"models.{name}.fallback: fallback chain loops through {current!r}")
+            seen.add(current)
+            current = routes[current].fallback
+    return routes
+
+
+def _parse_tenants(data: Optional[Mapping]) -> dict[str, TenantConfig]:
+    if data is None:
+        raise ValueError("tenants: required (at least one tenant); omit --config to run open")
+    if not data:
+        raise ValueError("tenants: at least one tenant is required")
+    tenants: dict[str, TenantConfig] = {}
+    owner_of_hash: dict[str, str] = {}
+    for name, body in data.items():
+        path = f"tenants.{name}"
+        _name(name, path)
+        tenant = _parse_tenant(name, _Section(body, path))
+        for i, key_hash in enumerate(tenant.key_hashes):
+            if key_hash in owner_of_hash:
+                raise ValueError(f"{path}.keys[{i}]: the same key is already listed for tenant "
+                                 f"{owner_of_hash[key_hash]!r}")
+            owner_of_hash[key_hash] = name
+        tenants[name] = tenant
+    for tenant in tenants.values():
+        if tenant.shared_prefix and tenant.cache_namespace in tenants:
+            raise ValueError(f"tenants.{tenant.name}.cache_namespace: must not be a tenant's name")
+    return tenants
+
+
+def _parse_tenant(name: str, section: _Section) -> TenantConfig:
+    path = section.path
+    raw_keys = section.take("keys", _string_list, None)
+    if not raw_keys:
+        raise ValueError(f"{path}.keys: required, a non-empty list of \"sha256:<hex>\" key hashes")
+    key_hashes = []
+    for i, key_hash in enumerate(raw_keys):
+        normal = key_hash.strip().lower()
+        if not _KEY_HASH_RE.match(normal):
+            raise ValueError(f"{path}.keys[{i}]: expected \"sha256:<64 hex digits>\" "
+                             "(`llmserve keys hash KEY` prints it); plain keys are not accepted")
+        if normal in key_hashes:
+            raise ValueError(f"{path}.keys[{i}]: duplicate key")
+        key_hashes.append(normal)
+    models = section.take("models", _string_list, ["*"])
+    if not models:
+        raise ValueError(f"{path}.models: must list at least one model pattern (\"*\" for all)")
+    priority = section.take("priority", _string, "default")
+    if priority not in PRIORITY_CLASSES:
+        raise ValueError(f"{path}.priority: expected one of {sorted(PRIORITY_CLASSES)}, got {priority!r}")
+    shared_prefix = section.take("shared_prefix", _bool, False)
+    cache_namespace = section.take("cache_namespace", _name, None)
+    if cache_namespace is not None and not shared_prefix:
+        raise ValueError(f"{path}.cache_namespace: only meaningful with shared_prefix: true")
+    tenant = TenantConfig(
+        name=name,
+        key_hashes=tuple(key_hashes),
+        models=tuple(models),
+        priority=priority,
+        requests_per_minute=section.take("requests_per_minute", _positive_int, None),
+        tokens_per_minute=section.take("tokens_per_minute", _positive_int, None),
+        allow_fallback=section.take("allow_fallback", _bool, False),
+        max_request_timeout_s=section.take("max_request_timeout_s", _positive_number, None),
+        max_concurrent=section.take("max_concurrent", _positive_int, None),
+        shared_prefix=shared_prefix,
+        cache_namespace=cache_namespace,
+    )
+    section.finish()
+    return tenant
