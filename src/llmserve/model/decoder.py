@@ -54,6 +54,8 @@ class DecoderLayer:
             self.q_norm_w = put(interleave_norm_weight(get("self_attn.q_norm.weight")))
             self.k_norm_w = put(interleave_norm_weight(get("self_attn.k_norm.weight")))
         self.o_w = put(get("self_attn.o_proj.weight"))
+        o_bias = w.get(f"{prefix}.self_attn.o_proj.bias")  # Llama with attention_bias
+        self.o_b = put(o_bias) if o_bias is not None else None
         self.gate_up_w = put(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], 0))
         self.down_w = put(get("mlp.down_proj.weight"))
         self.in_norm_w = put(get("input_layernorm.weight"))
@@ -75,7 +77,7 @@ class DecoderLayer:
         q = apply_rotary(q, cis)
         k = apply_rotary(k, cis)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        h = h + F.linear(attn, self.o_w)
+        h = h + F.linear(attn, self.o_w, self.o_b)
         x = F.rms_norm(h, (self.hidden,), self.post_norm_w, self.eps)
         gate, up = F.linear(x, self.gate_up_w).chunk(2, -1)
         return h + F.linear(F.silu(gate) * up, self.down_w)

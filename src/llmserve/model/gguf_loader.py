@@ -1,0 +1,351 @@
+"""GGUF files: metadata, model config and dequantized weights under Hugging Face names.
+
+This module imports numpy and the ``gguf`` package but not torch, so the tokenizer can read
+GGUF metadata without pulling torch in. :mod:`llmserve.model.loader` turns the arrays into tensors.
+
+The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds one object
+per vocabulary string (about 4 s for a 49k-token vocabulary), while this one takes ~0.1 s.
+Dequantization uses ``gguf.quants.dequantize``, which is vectorised over whole tensors.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf.quants import dequantize
+
+from llmserve.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+#: GGUF `general.architecture` values we can run -> our ModelConfig.architecture.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+# Per-layer GGUF tensor suffix -> HF suffix under model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor's bytes are. ``shape`` is in numpy (row-major) order."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int       # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF header: all metadata key/values and the tensor index (no tensor data)."""
+
+    path: str
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+
+class _HeaderParser:
+    """Sequential little-endian reader over the mapped file."""
+
+    def __init__(self, buf: mmap.mmap, path: str) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def _unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ValueError(f"{self.path}: truncated GGUF header at byte {self.pos}")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        length = self._unpack("<Q")
+        if self.pos + length > len(self.buf):
+            raise ValueError(f"{self.path}: truncated GGUF string at byte {self.pos}")
+        raw = self.buf[self.pos:self.pos + length]
+        self.pos += length
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        vtype = GGUFValueType(vtype)
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item_type = GGUFValueType(self._unpack("<I"))
+            count = self._unpack("<Q")
+            if item_type in _SCALAR_FORMATS:
+                dtype = np.dtype(_SCALAR_FORMATS[item_type])
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.buf):
+                    raise ValueError(f"{self.path}: truncated GGUF array at byte {self.pos}")
+                items = np.frombuffer(self.buf[self.pos:end], dtype=dtype).tolist()
+                self.pos = end
+                return items
+            return [self.value(item_type) for _ in range(count)]
+        return self._unpack(_SCALAR_FORMATS[vtype])
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """Parse a GGUF file's metadata and tensor index; tensor data is not read.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a (little-endian, version 2/3) GGUF file, or a corrupt header.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _GGUF_MAGIC:
+            raise ValueError(f"{path!r} is not a GGUF file (magic {buf[:4]!r})")
+        parser = _HeaderParser(buf, path)
+        parser.pos = 4
+        version = parser._unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path!r}: unsupported GGUF version {version} (big-endian files are not supported)")
+        tensor_count, kv_count = parser._unpack("<Q"), parser._unpack("<Q")
+        metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = parser.string()
+            metadata[key] = parser.value(parser._unpack("<I"))
+        raw_infos = []
+        for _ in range(tensor_count):
+            name = parser.string()
+            n_dims = parser._unpack("<I")
+            dims = [parser._unpack("<Q") for _ in range(n_dims)]
+            qtype = GGMLQuantizationType(parser._unpack("<I"))
+            raw_infos.append((name, dims, qtype, parser._unpack("<Q")))
+        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        data_start = (parser.pos + alignment - 1) // alignment * alignment
+        file_size = len(buf)
+    tensors = {}
+    for name, dims, qtype, rel_offset in raw_infos:
+        shape = tuple(int(d) for d in reversed(dims))
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elems = int(np.prod(shape)) if shape else 1
+        if shape and shape[-1] % block_size:
+            raise ValueError(f"{path!r}: tensor {name} row of {shape[-1]} is not a multiple of {block_size}")
+        nbytes = n_elems // block_size * type_size
+        offset = data_start + rel_offset
+        if offset + nbytes > file_size:
+            raise ValueError(f"{path!r}: tensor {name} runs past the end of the file (truncated download?)")
+        tensors[name] = GGUFTensorInfo(name, shape, qtype, offset, nbytes)
+    return GGUFFile(path=os.path.abspath(path), version=version, metadata=metadata, tensors=tensors)
+
+
+def gguf_quantization_name(gguf_file: GGUFFile) -> str:
+    """The file's quantization as ``gguf:<type>`` (e.g. ``gguf:Q4_1``)."""
+    file_type = gguf_file.metadata.get("general.file_type")
+    if file_type is not None:
+        try:
+            name = LlamaFileType(int(file_type)).name
+            return "gguf:" + name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            pass
+    matrix_types = Counter(t.qtype.name for t in gguf_file.tensors.values() if len(t.shape) == 2)
+    return "gguf:" + (matrix_types.most_common(1)[0][0] if matrix_types else "unknown")
+
+
+def _architecture(gguf_file: GGUFFile) -> str:
+    arch = gguf_file.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_file.path!r}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _f32(value: Any) -> float:
+    """GGUF stores floats as float32; recover the decimal the writer meant (1e-5, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _uniform(value: Any, key: str) -> int:
+    """Some files store a per-layer list for head counts; we need one value."""
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise ValueError(f"GGUF key {key} varies per layer ({value[:8]}...), which is not supported")
+        value = value[0]
+    return int(value)
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, gguf_file: GGUFFile) -> dict | None:
+    if "rope_freqs.weight" in gguf_file.tensors:
+        raise ValueError(
+            f"{gguf_file.path!r} stores precomputed rope frequency factors (llama3-style rope "
+            "scaling), which the GGUF loader does not support; load the HF folder instead"
+        )
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind in ("none", None) or factor == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    raise ValueError(f"{gguf_file.path!r}: unsupported GGUF rope scaling type {kind!r}")
+
+
+def gguf_model_config(gguf_file: GGUFFile) -> ModelConfig:
+    """Build a :class:`ModelConfig` from ``<arch>.*`` metadata (no tensor data is read)."""
+    arch = _architecture(gguf_file)
+    meta = gguf_file.metadata
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ValueError(f"{gguf_file.path!r}: GGUF metadata lacks {full}")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    num_heads = _uniform(need("attention.head_count"), f"{arch}.attention.head_count")
+    num_kv_heads = _uniform(meta.get(f"{arch}.attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv")
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{gguf_file.path!r}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if f"{arch}.vocab_size" in meta:
+        vocab_size = int(meta[f"{arch}.vocab_size"])
+    elif tokens is not None:
+        vocab_size = len(tokens)
+    else:
+        vocab_size = gguf_file.tensors["token_embd.weight"].shape[0]
+    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.eom_token_id") if k in meta]
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=_uniform(need("feed_forward_length"), f"{arch}.feed_forward_length"),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, arch, gguf_file),
+        tie_word_embeddings="output.weight" not in gguf_file.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf_file.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gguf_file.tensors,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
+        source_format="gguf",
+        quantization=gguf_quantization_name(gguf_file),
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its HF name.
+
+    Raises:
+        ValueError: a tensor this loader does not know.
+    """
+    stem, _, kind = gguf_name.rpartition(".")
+    if kind not in ("weight", "bias"):
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this loader")
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of Q/K rows (its converter's ``permute``).
+
+    llama.cpp interleaves each head's two rotary halves; HF keeps them as two halves. The
+    converter did ``reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)``; this inverts it.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"cannot un-permute {rows} rows into {num_heads} heads with two rotary halves")
+    rest = weight.shape[1:]
+    return np.ascontiguousarray(
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def dequantize_tensor(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """Dequantize one tensor's raw bytes (a uint8 view of the file) to float32 in numpy shape."""
+    raw = data[info.offset:info.offset + info.nbytes]
+    if info.qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(info.shape).copy()
+    block_size, type_size = GGML_QUANT_SIZES[info.qtype]
+    rows = raw.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
+    try:
+        values = dequantize(rows, info.qtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"GGUF tensor {info.name}: quantization {info.qtype.name} is not supported") from exc
+    return np.asarray(values, dtype=np.float32).reshape(info.shape)
+
+
+def iter_gguf_weights(gguf_file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, float32 array)`` for every tensor, dequantized and in HF layout.
+
+    Q and K projections of Llama-architecture files are un-permuted back to HF's rotary layout
+    (Q with ``num_attention_heads``, K with ``num_key_value_heads``); Qwen files are not permuted.
+    """
+    arch = _architecture(gguf_file)
+    data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
+    try:
+        for info in gguf_file.tensors.values():
+            name = hf_tensor_name(info.name)
+            values = dequantize_tensor(data, info)
+            if arch == "llama":
+                if ".self_attn.q_proj." in name:
+                    values = unpermute_rotary(values, config.num_attention_heads)
+                elif ".self_attn.k_proj." in name:
+                    values = unpermute_rotary(values, config.num_key_value_heads)
+            yield name, values
+    finally:
+        del data
