@@ -1,0 +1,433 @@
+"""Batched token sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws.
+
+One `SamplingBatch` is built per engine step from the requests' `SamplingParams`; the
+`Sampler` then turns a `[B, V]` logits tensor into one token per row with a handful of
+whole-batch tensor ops, in the order documented on `SamplingParams`.
+
+A draw is an inverse-CDF lookup: with the row's unnormalised weights ``w = exp(logits - max)``
+and one uniform ``u`` per row, the token is the first index whose cumulative weight reaches
+``(1 - u) * sum(w)``; a token of weight 0 (masked, -inf) can never be picked. Unseeded rows
+take their uniforms from one shared generator in a single call; a seeded row takes its
+uniform from its own generator, so its tokens depend only on its seed, its logits and its
+parameters, never on the rest of the batch. Each draw consumes one number per row, not V.
+
+Penalties are applied sparsely: only the (row, token) pairs that occur in the prompt or
+output are touched, so their cost is O(tokens), not O(batch * vocab).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Collection, Optional, Sequence
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_NEG_INF = float("-inf")
+# Top-p over the whole vocabulary first looks at this many most likely tokens; only when
+# they do not reach top_p for some row does it sort the whole vocabulary.
+_TOP_P_CANDIDATES = 1024
+# torch.topk is used instead of a full sort while k is at most this fraction of the vocabulary.
+_TOPK_FRACTION = 0.25
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors on the logits' device.
+
+    Rows whose filters are disabled carry neutral values (top_k = vocab_size, top_p = 1,
+    min_p = 0); greedy rows carry temperature 1 and neutral filters, and are resolved by argmax.
+    Penalties are stored as flat ``row * vocab_size + token`` indices with per-entry values.
+    """
+
+    vocab_size: int
+    temperature: torch.Tensor          # [B] float32 (1.0 on greedy rows)
+    top_k: torch.Tensor                # [B] int64 (vocab_size where disabled)
+    top_p: torch.Tensor                # [B] float32 (1.0 where disabled)
+    min_p: torch.Tensor                # [B] float32 (0.0 where disabled)
+    greedy: torch.Tensor               # [B] bool
+    repetition_index: Optional[torch.Tensor]   # [N] int64: tokens seen in prompt or output
+    repetition_factor: Optional[torch.Tensor]  # [N] float32: that row's repetition penalty
+    count_index: Optional[torch.Tensor]        # [M] int64: tokens seen in the output
+    count_delta: Optional[torch.Tensor]        # [M] float32: frequency * count + presence
+    banned_index: Optional[torch.Tensor]       # [L] int64: EOS/stop ids masked for min_tokens
+    generators: list[Optional[torch.Generator]]
+    seeded_rows: list[int]             # sampled (non-greedy) rows that own a generator
+    logprobs: list[Optional[int]]      # per row: None, or how many top alternatives
+    all_greedy: bool
+    any_greedy: bool
+    any_unseeded_random: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    max_limited_k: int                 # largest top_k < vocab_size among sampled rows (0: none)
+    any_unlimited_top_p: bool          # a sampled row uses top-p without top-k
+    max_logprobs: int                  # -1 when no row wants logprobs
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.generators)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_index is not None or self.count_index is not None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[Optional[torch.Generator]],
+        vocab_size: int,
+        device: "torch.device | str",
+        eos_token_ids: Collection[int] = (),
+    ) -> "SamplingBatch":
+        """Gather the rows' parameters into tensors (O(B), plus O(tokens) only for penalties).
+
+        `generators[i]` is row i's own generator (created by the caller from its seed and carried
+        across steps) or None to use the sampler's shared one. While a row has fewer than
+        `min_tokens` output tokens, `eos_token_ids` and its `stop_token_ids` are masked
+        (also under `ignore_eos`, which only means EOS does not end the sequence).
+        """
+        n = len(params)
+        if n == 0:
+            raise ValueError("cannot build a SamplingBatch with no rows")
+        if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == n:
+            raise ValueError(
+                "params, prompt_token_ids, output_token_ids and generators must have the same "
+                f"length, got {n}, {len(prompt_token_ids)}, {len(output_token_ids)}, "
+                f"{len(generators)}"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        device = torch.device(device)
+        eos = {int(t) for t in eos_token_ids}
+
+        temps, top_ps, min_ps, top_ks, greedy = [], [], [], [], []
+        reps, freqs, presences = [], [], []
+        banned: list[int] = []
+        seeded_rows: list[int] = []
+        logprobs: list[Optional[int]] = []
+        any_unseeded_random = any_unlimited_top_p = False
+        max_limited_k = 0
+        max_logprobs = -1
+        for i, p in enumerate(params):
+            is_greedy = p.temperature == 0.0
+            greedy.append(is_greedy)
+            k = vocab_size if (p.top_k is None or p.top_k < 0) else min(p.top_k, vocab_size)
+            if is_greedy:  # argmax: filters are skipped
+                k, temp, top_p, min_p = vocab_size, 1.0, 1.0, 0.0
+            else:
+                temp, top_p, min_p = float(p.temperature), float(p.top_p), float(p.min_p)
+            temps.append(temp)
+            top_ks.append(k)
+            top_ps.append(top_p)
+            min_ps.append(min_p)
+            if not is_greedy:
+                if k < vocab_size:
+                    max_limited_k = max(max_limited_k, k)
+                elif p.top_p < 1.0:
+                    any_unlimited_top_p = True
+                if generators[i] is not None:
+                    seeded_rows.append(i)
+                else:
+                    any_unseeded_random = True
+            reps.append(float(p.repetition_penalty))
+            freqs.append(float(p.frequency_penalty))
+            presences.append(float(p.presence_penalty))
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+                base = i * vocab_size
+                ids = eos.union(p.stop_token_ids or ())
+                banned.extend(base + t for t in ids if 0 <= t < vocab_size)
+            logprobs.append(p.logprobs)
+            if p.logprobs is not None:
+                max_logprobs = max(max_logprobs, p.logprobs)
+
+        floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32).to(device)
+        ints = torch.tensor([top_ks, greedy], dtype=torch.int64).to(device)
+        rep_index = rep_factor = count_index = count_delta = None
+        rep_rows = [i for i, r in enumerate(reps) if r != 1.0]
+        if rep_rows:
+            seqs = [(i, prompt_token_ids[i]) for i in rep_rows]
+            seqs += [(i, output_token_ids[i]) for i in rep_rows]
+            index, _, rows = _token_entries(seqs, vocab_size)
+            rep_index, rep_factor = index.to(device), torch.tensor(reps)[rows].to(device)
+        count_rows = [i for i in range(n) if freqs[i] != 0.0 or presences[i] != 0.0]
+        if count_rows:
+            seqs = [(i, output_token_ids[i]) for i in count_rows]
+            index, counts, rows = _token_entries(seqs, vocab_size)
+            delta = torch.tensor(freqs)[rows] * counts + torch.tensor(presences)[rows]
+            count_index, count_delta = index.to(device), delta.to(device)
+        banned_index = torch.tensor(banned, dtype=torch.int64).to(device) if banned else None
+
+        return cls(
+            vocab_size=vocab_size,
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            greedy=ints[1].bool(),
+            repetition_index=rep_index,
+            repetition_factor=rep_factor,
+            count_index=count_index,
+            count_delta=count_delta,
+            banned_index=banned_index,
+            generators=list(generators),
+            seeded_rows=seeded_rows,
+            logprobs=logprobs,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_unseeded_random=any_unseeded_random,
+            needs_top_k=max_limited_k > 0,
+            needs_top_p=any(tp < 1.0 for tp in top_ps),
+            needs_min_p=any(mp > 0.0 for mp in min_ps),
+            max_limited_k=max_limited_k,
+            any_unlimited_top_p=any_unlimited_top_p,
+            max_logprobs=max_logprobs,
+        )
+
+
+def _token_entries(
+    seqs: list[tuple[int, Sequence[int]]], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct flat ``row * vocab_size + token`` indices over (row, token ids) pairs, on CPU.
+
+    Returns (index [N] int64, occurrences [N] float32, row of each entry [N] int64).
+    """
+    ids: list[int] = []
+    rows: list[int] = []
+    lengths: list[int] = []
+    for row, toks in seqs:
+        ids.extend(toks)
+        rows.append(row)
+        lengths.append(len(toks))
+    tok = torch.tensor(ids, dtype=torch.int64)
+    if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}) for penalties")
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths))
+    index, counts = torch.unique(row * vocab_size + tok, return_counts=True)
+    return index, counts.to(torch.float32), index // vocab_size
+
+
+def apply_penalties_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place on a contiguous tensor: repetition (prompt + output), then frequency/presence.
+
+    A seen token's logit is divided by the repetition penalty r when positive and multiplied
+    by r otherwise; then logit -= frequency * output_count + presence * (output_count > 0).
+    Only the seen (row, token) entries are read and written.
+    """
+    flat = logits.view(-1)
+    if batch.repetition_index is not None:
+        index, factor = batch.repetition_index, batch.repetition_factor
+        values = flat[index]
+        flat[index] = torch.where(values > 0, values / factor, values * factor)
+    if batch.count_index is not None:
+        flat[batch.count_index] = flat[batch.count_index] - batch.count_delta
+
+
+def apply_min_tokens_mask_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place: -inf on the EOS / stop token entries of rows still under min_tokens."""
+    if batch.banned_index is not None:
+        logits.view(-1).index_fill_(0, batch.banned_index, _NEG_INF)
+
+
+def apply_top_k_top_p_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place: keep each row's k largest logits, then the smallest prefix reaching top_p.
+
+    Exactly k tokens survive top-k (ties broken by the sort). Top-p renormalises over the
+    top-k survivors and keeps a token while the mass before it is below top_p, so at least
+    one token survives. Rows with neither filter are left unchanged. Only the largest
+    needed k (or `_TOP_P_CANDIDATES` for top-p alone) are ranked, unless those turn out
+    not to reach top_p; then the whole vocabulary is sorted.
+    """
+    vocab = logits.shape[1]
+    needed = batch.max_limited_k
+    if batch.any_unlimited_top_p:
+        needed = max(needed, _TOP_P_CANDIDATES)
+    keep_sorted = None
+    if needed <= vocab * _TOPK_FRACTION:
+        values, index = logits.topk(needed, dim=-1)
+        keep_sorted = _keep_ranked(logits, values, batch, complete=False)
+    if keep_sorted is None:
+        values, index = logits.sort(dim=-1, descending=True)
+        keep_sorted = _keep_ranked(logits, values, batch, complete=True)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, index, keep_sorted)
+    keep |= ((batch.top_k >= vocab) & (batch.top_p >= 1.0)).unsqueeze(1)
+    logits.masked_fill_(~keep, _NEG_INF)
+
+
+def _keep_ranked(
+    logits: torch.Tensor, values: torch.Tensor, batch: SamplingBatch, complete: bool
+) -> Optional[torch.Tensor]:
+    """Which of each row's ranked `values` survive top-k and top-p, or None if not decidable.
+
+    `values` holds each row's largest logits in descending order: all of them when
+    `complete`, else only the first few, which decides every row unless a top-p-only row's
+    candidates hold less than top_p of its mass.
+    """
+    vocab = logits.shape[1]
+    positions = torch.arange(values.shape[1], device=values.device)
+    keep = positions.unsqueeze(0) < batch.top_k.unsqueeze(1)
+    if not batch.needs_top_p:
+        return keep
+    masked = values.masked_fill(~keep, _NEG_INF)
+    log_total = torch.logsumexp(masked, dim=-1)
+    unlimited = batch.top_k >= vocab
+    if not complete and batch.any_unlimited_top_p:
+        log_total = torch.where(unlimited, torch.logsumexp(logits, dim=-1), log_total)
+    probs = (masked - log_total.unsqueeze(1)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    cutoff = torch.where(batch.top_p < 1.0, batch.top_p, torch.full_like(batch.top_p, 2.0))
+    keep &= (cumulative - probs) < cutoff.unsqueeze(1)
+    keep[:, 0] = True
+    if not complete and batch.any_unlimited_top_p:
+        short = unlimited & (batch.top_p < 1.0) & (cumulative[:, -1] < batch.top_p)
+        if bool(short.any()):
+            return None
+    return keep
+
+
+def apply_min_p_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place: drop tokens whose probability is below min_p times the row's largest.
+
+    In logit space: p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf
+    keeps every token of rows without min-p.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(batch.min_p).unsqueeze(1)
+    logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result: a token per row and, when any row asked, raw-distribution logprobs."""
+
+    token_ids: list[int]
+    logprobs: Optional[list[float]] = None                       # chosen token's logprob
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per row, [] if not asked
+
+
+class Sampler:
+    """Picks one token per row of a logits tensor according to a `SamplingBatch`.
+
+    `seed` initialises the shared generator used by rows without their own (one per device).
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._shared: dict[str, torch.Generator] = {}
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on `device`, created on first use."""
+        key = str(device)
+        gen = self._shared.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._shared[key] = gen
+        return gen
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties and the min_tokens mask (steps 1-2), as float32; `logits` is not modified."""
+        if not batch.needs_penalties and batch.banned_index is None:
+            return logits.float()
+        x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        apply_penalties_(x, batch)
+        apply_min_tokens_mask_(x, batch)
+        return x
+
+    @staticmethod
+    def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, top-k/top-p and min-p (steps 3-4) on processed logits, out of place."""
+        x = logits / batch.temperature.unsqueeze(1)
+        if batch.needs_top_k or batch.needs_top_p:
+            apply_top_k_top_p_(x, batch)
+        if batch.needs_min_p:
+            apply_min_p_(x, batch)
+        return x
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row; raise RuntimeError for rows with no finite logit or NaN."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != batch.batch_size or logits.shape[1] != batch.vocab_size:
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match the batch "
+                f"({batch.batch_size} rows, vocab {batch.vocab_size})"
+            )
+        raw_logprobs = None
+        if batch.max_logprobs >= 0:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+
+        x = self.process_logits(logits, batch)
+        row_max = x.amax(dim=-1, keepdim=True)
+        bad = ~torch.isfinite(row_max.squeeze(1))
+        greedy_tokens = x.argmax(dim=-1) if batch.any_greedy else None
+        if batch.all_greedy:
+            tokens = greedy_tokens
+        else:
+            if batch.needs_top_k or batch.needs_top_p or batch.needs_min_p:
+                filtered = self.filter_logits(x, batch)
+                weights = (filtered - filtered.amax(dim=-1, keepdim=True)).exp_()
+            else:  # max commutes with the positive temperature scaling
+                weights = (x - row_max).div_(batch.temperature.unsqueeze(1)).exp_()
+            tokens = self._draw(weights, batch)
+            if greedy_tokens is not None:
+                tokens = torch.where(batch.greedy, greedy_tokens, tokens)
+
+        token_ids, bad_rows = torch.stack([tokens, bad.to(tokens.dtype)]).tolist()
+        if any(bad_rows):
+            rows = [i for i, b in enumerate(bad_rows) if b]
+            raise RuntimeError(
+                f"cannot sample rows {rows}: their logits are NaN or all -inf "
+                f"(e.g. every token masked by min_tokens)"
+            )
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids)
+        return self._with_logprobs(token_ids, tokens, raw_logprobs, batch)
+
+    def _draw(self, weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Inverse-CDF draw per row, proportional to `weights` (>= 0; masked tokens are 0).
+
+        The first index whose cumulative weight reaches a target in (0, total] always has a
+        positive weight. The running sum is float64 so that rare tokens keep their share.
+        """
+        cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+        target = (1.0 - self._uniforms(batch, weights.device)) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1)
+        return tokens.clamp_(max=weights.shape[1] - 1)
+
+    def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """U[0, 1) per row: one shared batched draw, then each seeded row from its generator."""
+        size = batch.batch_size
+        if batch.any_unseeded_random:
+            u = torch.rand(size, dtype=torch.float64, device=device,
+                           generator=self.shared_generator(device))
+        else:
+            u = torch.zeros(size, dtype=torch.float64, device=device)
+        for row in batch.seeded_rows:
+            u[row] = torch.rand(1, dtype=torch.float64, device=device,
+                                generator=batch.generators[row])[0]
+        return u
+
+    @staticmethod
+    def _with_logprobs(
+        token_ids: list[int],
+        tokens: torch.Tensor,
+        raw_logprobs: torch.Tensor,
+        batch: SamplingBatch,
+    ) -> SamplerOutput:
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+        n_top = min(batch.max_logprobs, batch.vocab_size)
+        if n_top > 0:
+            values, index = raw_logprobs.topk(n_top, dim=-1)
+            values_l, index_l = values.tolist(), index.tolist()
+            for row, want in enumerate(batch.logprobs):
+                if want:
+                    top[row] = list(zip(index_l[row][:want], values_l[row][:want]))
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
