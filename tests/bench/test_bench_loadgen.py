@@ -1,0 +1,121 @@
+"""The streaming client against a real HTTP server on 127.0.0.1 (the fake in bench_fake_server)."""
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+
+import pytest
+
+from llmserve.bench.loadgen import SSEParser, build_payload, poisson_arrival_offsets, run_load
+from llmserve.bench.workloads import RequestSpec
+
+
+def spec(i: int, prompt: str = "a b c", out: int = 5, conv=None, turn=None) -> RequestSpec:
+    return RequestSpec(f"r{i}", prompt, [{"role": "user", "content": prompt}], 3, out,
+                       conversation_id=conv, turn=turn)
+
+
+def test_sse_parser_handles_split_and_batched_events():
+    p = SSEParser()
+    assert p.feed(b'data: {"a"') == []
+    assert p.feed(b': 1}\r') == []
+    assert p.feed(b'\n\r\ndata: two\n\ndata: three\n') == ['{"a": 1}', "two"]
+    assert p.feed(b"\n: a comment\n\nevent: x\ndata: l1\ndata:l2\n\n") == ["three", "l1\nl2"]
+    assert p.feed(b"data: [DO") == []
+    assert p.flush() == ["[DO"]
+    p2 = SSEParser()
+    euro = "data: \u20ac\n\n".encode()
+    assert p2.feed(euro[:7]) == [] and p2.feed(euro[7:]) == ["\u20ac"]  # UTF-8 split mid-char
+
+
+def test_build_payload_asks_for_exact_lengths():
+    s = spec(0, out=9)
+    body = build_payload(s, "m", "completions", extra_body={"top_p": 0.5})
+    assert body["prompt"] == "a b c" and body["max_tokens"] == 9 and body["min_tokens"] == 9
+    assert body["ignore_eos"] is True and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["top_p"] == 0.5
+    chat = build_payload(s, "m", "chat", ignore_eos=False)
+    assert chat["messages"] == s.messages and "prompt" not in chat
+    assert "ignore_eos" not in chat and "min_tokens" not in chat
+    with pytest.raises(ValueError):
+        build_payload(s, "m", "embeddings")
+
+
+def test_poisson_offsets_are_seeded_with_the_right_rate():
+    a = poisson_arrival_offsets(2000, 10.0, seed=1)
+    assert a == poisson_arrival_offsets(2000, 10.0, seed=1)
+    assert a != poisson_arrival_offsets(2000, 10.0, seed=2)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:]))
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.1)
+    assert poisson_arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        poisson_arrival_offsets(3, 0.0)
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_stream_counts_tokens_and_chunks(fake_server, usage):
+    # the fake sends 7 tokens as events of 1,1,2,1,1,(1): every third event carries two
+    with fake_server(usage=usage) as srv:
+        result = asyncio.run(run_load(srv.url, [spec(0, out=7)], progress=False))
+    r = result.records[0]
+    assert r.success and r.error is None and result.model == "fake-model"
+    assert len(r.arrival_times) == 6
+    assert r.output_tokens == (7 if usage else 6)
+    assert r.usage_prompt_tokens == (3 if usage else None)
+    assert len(r.itls) == 5 and all(g >= 0 for g in r.itls)
+    assert sum(r.itls) == pytest.approx(r.arrival_times[-1] - r.arrival_times[0])
+    assert 0 < r.ttft < r.e2e
+    assert r.tpot == pytest.approx((r.e2e - r.ttft) / (r.output_tokens - 1))
+
+
+def test_chat_endpoint_ignores_role_only_event(fake_server):
+    with fake_server() as srv:
+        result = asyncio.run(run_load(srv.url, [spec(0, out=4)], endpoint="chat",
+                                      progress=False))
+        body = srv.server.config.app.state.bench["bodies"][0]
+    r = result.records[0]
+    assert r.success and r.output_tokens == 4 and len(r.arrival_times) == 3
+    assert body["messages"] == [{"role": "user", "content": "a b c"}]
+    assert body["ignore_eos"] is True and body["min_tokens"] == 4
+
+
+def test_errors_are_counted_by_kind(fake_server):
+    specs = [spec(0), spec(1), spec(2, prompt="please BREAK here", out=6)]
+    with fake_server(fail_requests=frozenset({2})) as srv:
+        result = asyncio.run(run_load(srv.url, specs, max_concurrency=1, progress=False))
+    errors = {r.request_id: r.error for r in result.records}
+    assert errors == {"r0": None, "r1": "503", "r2": "connection"}
+    assert result.records[1].ttft is None and result.records[2].itls == []
+    assert "overloaded" in result.records[1].error_detail
+
+
+def test_unreachable_server_is_a_connection_error():
+    from tests.bench.bench_fake_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    result = asyncio.run(run_load(url, [spec(0)], model="m", progress=False,
+                                  request_timeout_s=5))
+    assert result.records[0].error == "connection" and not result.records[0].success
+
+
+def test_timeout_is_reported(fake_server):
+    with fake_server(token_delay_s=0.3) as srv:
+        result = asyncio.run(run_load(srv.url, [spec(0, out=20)], progress=False,
+                                      request_timeout_s=0.5))
+    assert result.records[0].error == "timeout"
+
+
+def test_concurrency_limit_and_chat_turn_order(fake_server):
+    specs = [spec(0, conv=0, turn=0), spec(1, conv=1, turn=0), spec(2, conv=0, turn=1),
+             spec(3, conv=1, turn=1)]
+    with fake_server(token_delay_s=0.01) as srv:
+        result = asyncio.run(run_load(srv.url, specs, max_concurrency=2, progress=False))
+    recs = {r.request_id: r for r in result.records}
+    assert all(r.success for r in recs.values())
+    for first, second in (("r0", "r2"), ("r1", "r3")):
+        assert recs[second].send_time >= recs[first].send_time + recs[first].end_time - 1e-6
+    spans = sorted((r.send_time, r.send_time + r.end_time) for r in recs.values())
+    for t, _ in spans:   # at most 2 in flight at any send instant
+        assert sum(1 for s, e in spans if s <= t < e) <= 2
