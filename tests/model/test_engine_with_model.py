@@ -88,3 +88,48 @@ def test_async_cancel_mid_decode_frees_kv(tiny_path):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_stop_string_spanning_tokens_is_never_shown(tiny_path):
+    llm = LLM(tiny_path, num_kv_blocks=128, block_size=4)
+    free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0,
+                                                     ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) > 20
+    stop = text[10:16]
+    first = text.index(stop)
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                    stop=[stop]))[0].outputs[0]
+    assert out.text == text[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    # streamed through the engine, the pieces never show the stop string either
+    eng = llm.engine
+    eng.add_request("s", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0,
+                                                   ignore_eos=True, stop=[stop]))
+    pieces = []
+    while eng.has_unfinished_requests():
+        pieces += [c.text for d in eng.step() for c in d.outputs]
+    assert "".join(pieces) == text[:first]
+
+
+def test_stop_token_ids_min_tokens_and_logprobs(tiny_path):
+    import torch
+
+    llm = LLM(tiny_path, num_kv_blocks=128, block_size=4)
+    free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0,
+                                                     ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[5]
+    k = free.token_ids.index(stop_id)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:k + 1] and out.stop_reason == stop_id
+    lp = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                   logprobs=3))[0].outputs[0]
+    assert len(lp.logprobs) == 4
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert entry.token_id == tok and len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert entry.top_logprobs[0].token_id == tok  # greedy picks the most likely token
+        assert abs(entry.logprob - tops[0]) < 1e-6 and entry.logprob <= 0
+        assert sum(torch.tensor(tops).exp().tolist()) <= 1.0 + 1e-5

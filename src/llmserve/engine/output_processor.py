@@ -90,6 +90,8 @@ class OutputProcessor:
                     finish, stop_reason = FinishReason.STOP.value, matched
             elif ending:
                 text += st.stops.flush()
+                if st.stops.matched is not None and finish is None:
+                    finish, stop_reason = FinishReason.STOP.value, st.stops.matched
         if finish is None and at_length:
             finish = FinishReason.LENGTH.value
         delta.text = text
