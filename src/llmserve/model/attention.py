@@ -12,6 +12,8 @@ The flat token batch of a step is laid out decodes first, then prefill chunks::
 
 All index tensors are built once per step (AttentionMetadata) and reused by every layer.
 KV cache per layer: (num_blocks * block_size, num_kv_heads, head_dim); slot = block * bs + offset.
+Keys are gathered a whole block at a time (one index_select of contiguous rows of
+block_size * kv_heads * head_dim elements), which streams at memory speed.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import torch.nn.functional as F
 class GroupMetadata:
     """Index tensors of one attention group (decode or prefill)."""
 
-    key_slots: torch.Tensor        # (B, L) long: cache slot of each key position (padding -> 0)
-    mask: torch.Tensor             # (B, 1, Q, L) bool
+    block_ids: torch.Tensor        # (B, W) long: each sequence's block table (padding -> block 0)
+    mask: torch.Tensor             # (B, 1, Q, W * block_size) bool
     query_index: Optional[torch.Tensor] = None  # prefill: (B*Qmax,) flat-token index per padded query
     output_index: Optional[torch.Tensor] = None  # prefill: (Np,) padded row of each real query
     max_query: int = 1
@@ -36,6 +38,7 @@ class GroupMetadata:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor     # (T,) long: where each new token's K/V is written
+    block_size: int
     num_decode: int
     decode: Optional[GroupMetadata]
     prefill: Optional[GroupMetadata]
@@ -46,6 +49,14 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
     )
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, W) block tables -> (B, kv_heads, W * block_size, head_dim) keys or values."""
+    b, w = block_ids.shape
+    _, hkv, d = cache.shape
+    rows = cache.view(-1, block_size * hkv * d).index_select(0, block_ids.flatten())
+    return rows.view(b, w * block_size, hkv, d).transpose(1, 2)
 
 
 def paged_attention(
@@ -61,16 +72,16 @@ def paged_attention(
     nd = meta.num_decode
     if meta.decode is not None:
         g = meta.decode
-        keys = k_cache[g.key_slots].transpose(1, 2)      # (Bd, Hkv, L, D)
-        values = v_cache[g.key_slots].transpose(1, 2)
+        keys = gather_blocks(k_cache, g.block_ids, meta.block_size)   # (Bd, Hkv, L, D)
+        values = gather_blocks(v_cache, g.block_ids, meta.block_size)
         qd = q[:nd].unsqueeze(2)                          # (Bd, H, 1, D)
         outs.append(_attend(qd, keys, values, g.mask, scale).reshape(nd, H * D))
     if meta.prefill is not None:
         g = meta.prefill
-        bp = g.key_slots.shape[0]
+        bp = g.block_ids.shape[0]
         qp = q[nd:].index_select(0, g.query_index).view(bp, g.max_query, H, D).transpose(1, 2)
-        keys = k_cache[g.key_slots].transpose(1, 2)
-        values = v_cache[g.key_slots].transpose(1, 2)
+        keys = gather_blocks(k_cache, g.block_ids, meta.block_size)
+        values = gather_blocks(v_cache, g.block_ids, meta.block_size)
         o = _attend(qp, keys, values, g.mask, scale)      # (Bp, H, Qmax, D)
         o = o.transpose(1, 2).reshape(bp * g.max_query, H * D)
         outs.append(o.index_select(0, g.output_index))

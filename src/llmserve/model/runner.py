@@ -202,26 +202,20 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         row_t = torch.tensor(rows, dtype=torch.long, device=dev)
         slot_mapping = bt[row_t, pos_t // bs] * bs + pos_t % bs
-        offs = torch.arange(bs, device=dev)
-
-        def key_slots(sub: torch.Tensor) -> torch.Tensor:
-            return (sub.unsqueeze(-1) * bs + offs).reshape(sub.shape[0], -1)
 
         decode = prefill = None
         if num_decode:
             ctx = torch.tensor([s.start + 1 for s in ordered[:num_decode]], device=dev)
             w = max(len(t) for t in tables[:num_decode])
-            ks = key_slots(bt[:num_decode, :w])
-            keys = torch.arange(ks.shape[1], device=dev)
+            keys = torch.arange(w * bs, device=dev)
             mask = (keys.unsqueeze(0) < ctx.unsqueeze(1)).view(num_decode, 1, 1, -1)
-            decode = GroupMetadata(key_slots=ks, mask=mask)
+            decode = GroupMetadata(block_ids=bt[:num_decode, :w], mask=mask)
         pre = ordered[num_decode:]
         if pre:
             n = torch.tensor([s.num_new_tokens for s in pre], device=dev)
             start = torch.tensor([s.start for s in pre], device=dev)
             qmax = int(n.max())
             w = max(len(t) for t in tables[num_decode:])
-            ks = key_slots(bt[num_decode:, :w])
             qi = torch.arange(qmax, device=dev).unsqueeze(0)           # (1, Qmax)
             valid = qi < n.unsqueeze(1)                                # (Bp, Qmax)
             offsets = torch.cumsum(n, 0) - n
@@ -229,11 +223,11 @@ class ModelRunner:
             b = torch.arange(len(pre), device=dev).unsqueeze(1)
             output_index = (b * qmax + qi)[valid]
             qpos = torch.where(valid, start.unsqueeze(1) + qi, 0)      # padded queries see key 0
-            keys = torch.arange(ks.shape[1], device=dev)
+            keys = torch.arange(w * bs, device=dev)
             mask = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
-            prefill = GroupMetadata(key_slots=ks, mask=mask, query_index=query_index,
+            prefill = GroupMetadata(block_ids=bt[num_decode:, :w], mask=mask, query_index=query_index,
                                     output_index=output_index, max_query=qmax)
-        return AttentionMetadata(slot_mapping=slot_mapping, num_decode=num_decode,
+        return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decode=num_decode,
                                  decode=decode, prefill=prefill)
 
 
