@@ -31,16 +31,9 @@ def test_logits_match_transformers_on_same_dequantized_weights(llm):
     mc = ckpt.config
     assert (mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads,
             mc.num_key_value_heads, mc.vocab_size) == (30, 576, 9, 3, 49152)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
-        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
-        head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
-        max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=True)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    missing, unexpected = hf.load_state_dict(ckpt.weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
+    from llmserve.bench.hf_baseline import load_transformers_model
+
+    hf = load_transformers_model(llm.engine.model_path)
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     runner = llm.engine.runner

@@ -66,18 +66,11 @@ def run_llmserve(llm, wl: Workload) -> dict:
 
 def run_transformers_static(model_path: str, wl: Workload, batch_size: int) -> dict:
     """Static batching baseline: left-padded batches in arrival order, each run to its longest."""
-    import os
-
     import torch
-    import transformers
 
-    if model_path.endswith(".gguf"):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-            torch_dtype=torch.float32)
-    else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-    hf.eval()
+    from llmserve.bench.hf_baseline import load_transformers_model
+
+    hf = load_transformers_model(model_path)
     pad = 0
     t0 = time.perf_counter()
     useful = 0
