@@ -65,9 +65,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llmserve.server.launch import serve_from_args
+    from llmserve.async_llm import AsyncLLM
+    from llmserve.server.launch import serve
 
-    return serve_from_args(args, engine_config_from_args(args))
+    engine = AsyncLLM.from_config(engine_config_from_args(args))
+    names = [args.served_model_name] if args.served_model_name else None
+    gateway = None
+    if args.config:
+        from llmserve.gateway.hook import build_gateway
+
+        gateway = build_gateway(args.config, engine)
+    try:
+        serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
+              served_model_names=names, gateway=gateway)
+    finally:
+        engine.shutdown()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

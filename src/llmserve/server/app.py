@@ -1,0 +1,128 @@
+"""The OpenAI-compatible ASGI application (FastAPI).
+
+Endpoints:
+    POST /v1/chat/completions, POST /v1/completions   generation (SSE when ``stream``)
+    GET  /v1/models, GET /v1/models/{model}            served model names
+    GET  /health                                       the process is alive (always 200)
+    GET  /ready                                        200 when ``engine.is_ready()``, else 503
+    GET  /metrics                                      Prometheus text (docs/METRICS.md)
+
+Every error body has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmserve.server.errors import OpenAIError, install_error_handlers
+from llmserve.server.gateway_hook import RequestContext, call_hook
+from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from llmserve.server.middleware import RequestContextMiddleware
+from llmserve.server.serving import DEFAULT_MAX_BODY_BYTES, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    engine: Any,
+    *,
+    served_model_names: Optional[Sequence[str]] = None,
+    gateway: Any = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
+
+    Args:
+        engine: the engine to serve.
+        served_model_names: names clients may put in ``model``; the first is the
+            default for requests without one. Defaults to ``[engine.model_name]``.
+        gateway: optional tenant/auth/admission hook, see
+            :mod:`llmserve.server.gateway_hook`.
+        max_body_bytes: largest request body accepted (413 above).
+
+    The app's state holds ``engine``, ``metrics`` (:class:`ServerMetrics`, with its
+    private ``registry``), ``serving`` and ``gateway``.
+    """
+    names = list(served_model_names) if served_model_names else [engine.model_name]
+    metrics = ServerMetrics(engine, names[0], engine.fingerprint)
+    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes)
+    started_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            serving.close()
+
+    app = FastAPI(title="llmserve", summary="OpenAI-compatible LLM server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.serving = serving
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await serving.handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await serving.handle(request, chat=False)
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve",
+                "root": engine.model_name, "max_model_len": engine.max_model_len}
+
+    async def authenticate(request: Request) -> None:
+        state = request.scope.get("state", {})
+        ctx = RequestContext(
+            request_id=state.get("request_id", ""), endpoint="models",
+            headers={k.lower(): v for k, v in request.headers.items()},
+            client=request.client.host if request.client else None,
+            arrival_time=state.get("arrival_time", time.time()))
+        await call_hook(gateway, "authenticate", ctx)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Any:
+        await authenticate(request)
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> Any:
+        await authenticate(request)
+        if model_id not in names:
+            raise OpenAIError(404, f"The model `{model_id}` does not exist", param="model",
+                              code="model_not_found")
+        return model_card(model_id)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Any:
+        try:
+            is_ready = bool(engine.is_ready())
+        except Exception:  # noqa: BLE001 - a failing probe means not ready
+            logger.exception("engine.is_ready() failed")
+            is_ready = False
+        if not is_ready:
+            raise OpenAIError(503, "The engine is not ready", code="engine_not_ready",
+                              headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ready", "model": names[0]})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body = await asyncio.to_thread(metrics.render)
+        return Response(content=body, media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,208 @@
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error the server returns, whatever raised it (our validation, pydantic,
+Starlette's routing, the engine, an unexpected bug), goes through this module so
+clients always see the same shape and never a framework's raw dump.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+#: The OpenAI ``type`` string for each status we send.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "timeout_error",
+}
+
+
+def error_type_for(status: int) -> str:
+    """The OpenAI error ``type`` that goes with an HTTP status."""
+    if status in _TYPE_BY_STATUS:
+        return _TYPE_BY_STATUS[status]
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+class OpenAIError(Exception):
+    """An error to return to the client as an OpenAI-shaped JSON body.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable explanation.
+        param: the request field at fault, if any (e.g. ``"temperature"``).
+        code: a machine-readable code (e.g. ``"context_length_exceeded"``).
+        type: the OpenAI error type; derived from ``status`` when omitted.
+        headers: extra response headers (e.g. ``Retry-After`` on a 429).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type: Optional[str] = None,
+        headers: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or error_type_for(status)
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {...}}``."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        """A JSONResponse carrying this error."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, type: str, param: Optional[str] = None, code: Optional[str] = None
+) -> dict[str, Any]:
+    """Build the OpenAI error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
+    """A 400 invalid_request_error."""
+    return OpenAIError(400, message, param=param, code=code)
+
+
+# -- pydantic validation errors -> one 400 ---------------------------------------------
+
+#: Pydantic union-member tags that appear in error locations and are not field names.
+_UNION_TAG_CHARS = set("[](),")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
+              "function-before", "function-wrap", "literal", "tagged-union"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (
+        bool(_UNION_TAG_CHARS & set(part)) or part.lower() in _TYPE_TAGS
+        or part.startswith("literal[")
+    )
+
+
+def loc_to_param(loc: Sequence[Any]) -> Optional[str]:
+    """Turn a pydantic location like ``("messages", 0, "role")`` into ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        if part in ("body",) and not out:
+            continue  # FastAPI prefixes body errors with "body"
+        if _is_union_tag(part):
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_error_to_openai(
+    errors: Iterable[Mapping[str, Any]], hints: Optional[Mapping[str, str]] = None
+) -> OpenAIError:
+    """Convert pydantic/FastAPI validation errors into one 400 naming the first bad field.
+
+    ``hints`` maps a top-level field to a description of what it accepts; it is used
+    when a union field failed every alternative (pydantic then reports one error per
+    alternative, which is noise to a client).
+    """
+    errors = list(errors)
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    kind = first.get("type", "")
+    param = loc_to_param(loc)
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error") or first.get("msg", "")
+        return bad_request(f"The request body is not valid JSON: {detail}", code="invalid_json")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param=param,
+                           code="unknown_parameter")
+    if kind == "model_type" and not param:
+        return bad_request("The request body must be a JSON object", code="invalid_json")
+    if kind == "missing":
+        return bad_request(f"Missing required parameter: '{param}'", param=param,
+                           code="missing_required_parameter")
+    top = loc[0] if loc and loc[0] != "body" else (loc[1] if len(loc) > 1 else None)
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:1] == loc[:1]]
+    if hints and isinstance(top, str) and top in hints and len(same_field) > 1:
+        return bad_request(f"Invalid type for '{top}': expected {hints[top]}", param=top,
+                           code="invalid_type")
+    msg = first.get("msg", "invalid value")
+    return bad_request(f"Invalid value for '{param}': {msg}", param=param,
+                       code="invalid_type" if kind.endswith("_type") else "invalid_value")
+
+
+def value_error_to_openai(exc: ValueError) -> OpenAIError:
+    """A 400 from a ValueError such as SamplingParams' ("top_p must be in (0, 1], got 2").
+
+    The first word of the message names the field by convention; it becomes ``param``.
+    """
+    message = str(exc) or "invalid request"
+    head = message.split(" ", 1)[0].strip(":,").split("[", 1)[0]
+    param = head if head.replace("_", "").isalnum() and head.islower() else None
+    return bad_request(message, param=param)
+
+
+# -- FastAPI exception handlers -------------------------------------------------------
+
+_STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+async def _handle_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _handle_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error_to_openai(exc.errors()).response()
+
+
+async def _handle_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    status = exc.status_code
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if status == 404 and detail == "Not Found":
+        detail = f"Unknown endpoint: {request.method} {request.url.path}"
+    elif status == 405:
+        detail = f"Method {request.method} not allowed on {request.url.path}"
+    err = OpenAIError(status, detail, code=_STATUS_CODES.get(status),
+                      headers=dict(exc.headers or {}))
+    return err.response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers that turn every known exception into the OpenAI shape.
+
+    Unexpected exceptions are turned into a 500 by the request middleware
+    (``llmserve.server.middleware``), which runs inside Starlette's last-resort
+    handler, so it can still add the request id header.
+    """
+    app.add_exception_handler(OpenAIError, _handle_openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _handle_request_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _handle_http_exception)  # type: ignore[arg-type]

@@ -1,0 +1,49 @@
+"""Run the server in-process with uvicorn (one worker: the engine lives in this process)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import uvicorn
+
+from llmserve.server.app import create_app
+
+logger = logging.getLogger(__name__)
+
+
+def build_server(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    *,
+    access_log: bool = True,
+    timeout_graceful_shutdown: Optional[int] = 5,
+    **app_kwargs: Any,
+) -> uvicorn.Server:
+    """A configured (not yet running) uvicorn Server for ``engine``.
+
+    ``app_kwargs`` go to :func:`~llmserve.server.app.create_app` (``served_model_names``,
+    ``gateway``, ``max_body_bytes``).
+
+    Call ``server.run()`` to serve in the calling thread, or run it in a background
+    thread and set ``server.should_exit = True`` to stop it (signal handlers are
+    installed only on the main thread).
+    """
+    app = create_app(engine, **app_kwargs)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, workers=1, access_log=access_log,
+        lifespan="on", timeout_graceful_shutdown=timeout_graceful_shutdown)
+    return uvicorn.Server(config)
+
+
+def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          **kwargs: Any) -> None:
+    """Serve ``engine`` over HTTP until interrupted (SIGINT/SIGTERM). Blocks.
+
+    Extra keyword arguments (``served_model_names``, ``gateway``, ...) go to
+    :func:`build_server`.
+    """
+    server = build_server(engine, host, port, log_level, **kwargs)
+    logger.info("serving %s on http://%s:%d", getattr(engine, "model_name", "?"), host, port)
+    server.run()
