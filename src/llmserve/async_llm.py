@@ -72,14 +72,14 @@ class AsyncLLM:
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *,
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,
-        deadline: Optional[float] = None,
+        deadline: Optional[float] = None, queue_deadline: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         user, children = self.engine.make_requests(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-            deadline=deadline)
+            deadline=deadline, queue_deadline=queue_deadline)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop())

@@ -136,6 +136,7 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams, *,
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None, deadline: Optional[float] = None,
+        queue_deadline: Optional[float] = None,
     ) -> tuple[_UserRequest, list[Request]]:
         """Validate and tokenize (thread-safe, touches no engine state)."""
         if not isinstance(params, SamplingParams):
@@ -157,7 +158,8 @@ class LLMEngine:
                 cid, ids, params.child(i) if params.n > 1 else params, prompt=text,
                 priority=prio, arrival_time=arrival, cache_salt=cache_salt,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                deadline=deadline, parent_id=request_id, index=i))
+                deadline=deadline, queue_deadline=queue_deadline, parent_id=request_id,
+                index=i))
         user = _UserRequest(request_id, text, ids, [c.request_id for c in children],
                             arrival_time=arrival)
         return user, children

@@ -173,3 +173,24 @@ def test_randomized_invariants_with_arrivals_aborts_and_tiny_pool(seed):
     run_to_end(core)
     core.kv.check_invariants()
     assert core.kv.num_used_blocks == 0
+
+
+def test_deadline_and_queue_deadline_end_requests_and_free_kv(clock):
+    import time as _time
+
+    core = make_core(max_num_seqs=1, clock=clock)
+    running = req("running", 6, max_tokens=100)
+    queued = req("queued", 6, max_tokens=5, start_tok=400)
+    now = _time.time()
+    running.deadline = now + 3600
+    queued.queue_deadline = now - 1          # already past: it never gets scheduled
+    core.add_request(running)
+    core.add_request(queued)
+    core.step()
+    ups = core.expire_deadlines(_time.time())
+    assert [(u.request.request_id, u.delta.finish_reason) for u in ups] == [("queued", "queue_timeout")]
+    running.deadline = now - 1
+    ups = core.expire_deadlines(_time.time())
+    assert [(u.request.request_id, u.delta.finish_reason) for u in ups] == [("running", "timeout")]
+    assert core.kv.num_used_blocks == 0 and not core.scheduler.requests
+    core.kv.check_invariants()

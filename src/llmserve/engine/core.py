@@ -11,7 +11,7 @@ from typing import Optional, Protocol
 
 from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.protocol import CompletionOutput, EngineStats, FinishReason
 
@@ -66,12 +66,17 @@ class EngineCore:
         return SequenceUpdate(request, delta)
 
     def expire_deadlines(self, now: float) -> list[SequenceUpdate]:
-        expired = [r for r in self.scheduler.requests.values()
-                   if r.deadline is not None and r.deadline <= now]
+        """End requests past their deadline ("timeout") or still queued past their queue
+        deadline ("queue_timeout"); their KV is freed at once."""
+        expired = []
+        for r in self.scheduler.requests.values():
+            if r.deadline is not None and r.deadline <= now:
+                expired.append((r, FinishReason.TIMEOUT.value))
+            elif (r.queue_deadline is not None and r.queue_deadline <= now
+                  and r.metrics.first_scheduled_time is None):
+                expired.append((r, FinishReason.QUEUE_TIMEOUT.value))
         out = []
-        for r in expired:
-            reason = (FinishReason.QUEUE_TIMEOUT.value if r.status is RequestStatus.WAITING
-                      and r.num_output_tokens == 0 else FinishReason.TIMEOUT.value)
+        for r, reason in expired:
             upd = self.abort_request(r.request_id, reason)
             if upd is not None:
                 out.append(upd)

@@ -38,7 +38,8 @@ class Request:
         "arrival_time", "cache_salt", "output_token_ids", "all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
         "stop_reason", "block_hashes", "num_preemptions", "last_preempted_step",
-        "metrics", "eos_token_ids", "max_total_tokens", "deadline", "parent_id", "index",
+        "metrics", "eos_token_ids", "max_total_tokens", "deadline", "queue_deadline",
+        "parent_id", "index",
     )
 
     def __init__(
@@ -54,6 +55,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 2048,
         deadline: Optional[float] = None,
+        queue_deadline: Optional[float] = None,
         parent_id: Optional[str] = None,
         index: int = 0,
     ) -> None:
@@ -81,7 +83,8 @@ class Request:
         max_new = sampling_params.max_tokens
         limit = max_model_len if max_new is None else min(max_model_len, len(prompt_token_ids) + max_new)
         self.max_total_tokens = limit
-        self.deadline = deadline
+        self.deadline = deadline              # time.time(): end the request then ("timeout")
+        self.queue_deadline = queue_deadline  # time.time(): drop it if still unscheduled then
         self.parent_id = parent_id
         self.index = index
 
