@@ -65,20 +65,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from llmserve.async_llm import AsyncLLM
     from llmserve.server.launch import serve
 
-    engine = AsyncLLM.from_config(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    engine = AsyncLLM.from_config(config)
     names = [args.served_model_name] if args.served_model_name else None
-    gateway = None
-    if args.config:
-        from llmserve.gateway.hook import build_gateway
-
-        gateway = build_gateway(args.config, engine)
+    engines = {}
     try:
+        if args.fallback_model:
+            fallback = AsyncLLM.from_config(dataclasses.replace(
+                config, model=None if args.fallback_model == "default" else args.fallback_model))
+            fallback_name = args.fallback_name or fallback.model_name
+            if fallback_name in (names or [engine.model_name]):
+                fallback.shutdown()
+                raise ValueError(f"the fallback model is served as {fallback_name!r}, the main "
+                                 "model's name; pass --fallback-name")
+            engines[fallback_name] = fallback
+        gateway = None
+        if args.config:
+            from llmserve.gateway.hook import build_gateway
+
+            gateway = build_gateway(args.config, engine, fallback_engines=engines,
+                                    served_model_names=names)
         serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
-              served_model_names=names, gateway=gateway)
+              served_model_names=names, gateway=gateway, engines=engines)
     finally:
+        for other in engines.values():
+            other.shutdown()
         engine.shutdown()
     return 0
 
@@ -105,8 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--config", default=None, help="gateway config file (tenants, quotas)")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--fallback-model", default=None, metavar="PATH_OR_default",
+                   help="load a second engine (same engine flags) to serve as a fallback model")
+    s.add_argument("--fallback-name", default=None,
+                   help="served name of the fallback model (default: its model name)")
     s.set_defaults(func=cmd_serve)
 
+    from llmserve.gateway.cli_commands import add_admin_commands
+
+    add_admin_commands(sub)
     _add_optional_commands(sub)
     return parser
 

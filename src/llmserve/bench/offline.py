@@ -32,12 +32,24 @@ class Workload:
 
 
 def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab: int, seed: int) -> Workload:
-    """Seeded random token-id prompts (ids 1000..vocab-1 avoid special tokens)."""
+                  vocab: int, seed: int, output_dist: str = "uniform",
+                  output_mean: float = 64.0) -> Workload:
+    """Seeded random token-id prompts (ids 1000..vocab-1 avoid special tokens).
+
+    Input lengths are uniform over ``input_range``. Output lengths are uniform over
+    ``output_range``, or, with ``output_dist="exponential"``, exponential with mean
+    ``output_mean`` clipped to ``output_range`` (long-tailed, like chat answers).
+    """
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, vocab) for _ in range(rng.randint(*input_range))]
                for _ in range(n)]
-    outs = [rng.randint(*output_range) for _ in range(n)]
+    lo, hi = output_range
+    if output_dist == "uniform":
+        outs = [rng.randint(lo, hi) for _ in range(n)]
+    elif output_dist == "exponential":
+        outs = [min(hi, max(lo, round(rng.expovariate(1.0 / output_mean)))) for _ in range(n)]
+    else:
+        raise ValueError(f"unknown output distribution {output_dist!r}")
     return Workload(prompts, outs)
 
 
@@ -96,13 +108,15 @@ def cmd_offline(args: argparse.Namespace, make_config: Callable) -> int:
     llm = LLM(**{k: v for k, v in asdict(cfg).items()})
     vocab = llm.engine.model_config.vocab_size
     wl = make_workload(args.num_prompts, (args.input_min, args.input_max),
-                       (args.output_min, args.output_max), vocab, args.seed)
+                       (args.output_min, args.output_max), vocab, args.seed,
+                       args.output_dist, args.output_mean)
     # warm-up so neither side pays one-time costs in the measurement
     run_llmserve(llm, make_workload(2, (8, 16), (4, 4), vocab, args.seed + 1))
     ours = run_llmserve(llm, wl)
     result = {"workload": {"num_prompts": args.num_prompts,
                            "input_tokens": [args.input_min, args.input_max],
                            "output_tokens": [args.output_min, args.output_max],
+                           "output_dist": args.output_dist, "output_mean": args.output_mean,
                            "seed": args.seed, "concurrency": cfg.max_num_seqs},
               "llmserve": ours}
     print(f"llmserve      : {ours['output_tok_s']:8.1f} output tok/s "
@@ -197,6 +211,9 @@ def add_offline_bench_parser(bsub, add_engine_args: Callable, make_config: Calla
     o.add_argument("--input-max", type=int, default=256)
     o.add_argument("--output-min", type=int, default=16)
     o.add_argument("--output-max", type=int, default=128)
+    o.add_argument("--output-dist", choices=["uniform", "exponential"], default="uniform")
+    o.add_argument("--output-mean", type=float, default=64.0,
+                   help="mean output length for --output-dist exponential")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--skip-baseline", action="store_true")
     o.add_argument("--json", default=None, help="write the figures to this JSON file")

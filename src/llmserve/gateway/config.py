@@ -67,6 +67,8 @@ class TenantConfig:
     priority: str = "default"                   # a name in llmserve.protocol.PRIORITY_CLASSES
     requests_per_minute: Optional[int] = None   # None: unlimited
     tokens_per_minute: Optional[int] = None     # None: unlimited
+    request_burst: Optional[int] = None         # request bucket size; None: requests_per_minute
+    token_burst: Optional[int] = None           # token bucket size; None: tokens_per_minute
     allow_fallback: bool = False
     max_request_timeout_s: Optional[float] = None  # cap on X-Request-Timeout; None: no cap
     max_concurrent: Optional[int] = None        # requests in flight at once; None: unlimited
@@ -344,13 +346,23 @@ def _parse_tenant(name: str, section: _Section) -> TenantConfig:
     cache_namespace = section.take("cache_namespace", _name, None)
     if cache_namespace is not None and not shared_prefix:
         raise ValueError(f"{path}.cache_namespace: only meaningful with shared_prefix: true")
+    rpm = section.take("requests_per_minute", _positive_int, None)
+    tpm = section.take("tokens_per_minute", _positive_int, None)
+    request_burst = section.take("request_burst", _positive_int, None)
+    token_burst = section.take("token_burst", _positive_int, None)
+    if request_burst is not None and rpm is None:
+        raise ValueError(f"{path}.request_burst: only meaningful with requests_per_minute")
+    if token_burst is not None and tpm is None:
+        raise ValueError(f"{path}.token_burst: only meaningful with tokens_per_minute")
     tenant = TenantConfig(
         name=name,
         key_hashes=tuple(key_hashes),
         models=tuple(models),
         priority=priority,
-        requests_per_minute=section.take("requests_per_minute", _positive_int, None),
-        tokens_per_minute=section.take("tokens_per_minute", _positive_int, None),
+        requests_per_minute=rpm,
+        tokens_per_minute=tpm,
+        request_burst=request_burst,
+        token_burst=token_burst,
         allow_fallback=section.take("allow_fallback", _bool, False),
         max_request_timeout_s=section.take("max_request_timeout_s", _positive_number, None),
         max_concurrent=section.take("max_concurrent", _positive_int, None),

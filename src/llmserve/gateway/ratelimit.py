@@ -1,8 +1,9 @@
 """Per-tenant rate limits: token buckets for requests and tokens per minute.
 
 Each limited tenant has up to two buckets. A bucket holds at most ``capacity`` units
-(the per-minute amount) and refills continuously at ``capacity / 60`` units per second,
-so a tenant may burst a whole minute's allowance and then sustain the per-minute rate.
+(the per-minute amount, or the tenant's ``request_burst`` / ``token_burst`` when set)
+and refills continuously at ``per_minute / 60`` units per second, so a tenant may
+burst a whole bucket and then sustain the per-minute rate.
 
 Lifecycle of one request::
 
@@ -35,18 +36,22 @@ CONCURRENCY_RETRY_AFTER_S = 1.0
 
 
 class TokenBucket:
-    """A bucket of ``capacity`` units refilled at ``capacity / period_s`` per second.
+    """A bucket of ``capacity`` units refilled at ``rate`` units per second (default
+    ``capacity / period_s``).
 
     The level may go negative when a settled request used more than it reserved; the
     debt is paid off by the refill before anything else is admitted. Not locked: the
     owner serializes access.
     """
 
-    def __init__(self, capacity: int, now: float, period_s: float = 60.0) -> None:
+    def __init__(self, capacity: int, now: float, period_s: float = 60.0,
+                 rate: Optional[float] = None) -> None:
         if capacity < 1:
             raise ValueError(f"bucket capacity must be >= 1, got {capacity}")
+        if rate is not None and not rate > 0:
+            raise ValueError(f"bucket rate must be > 0, got {rate}")
         self.capacity = float(capacity)
-        self.rate = capacity / period_s
+        self.rate = capacity / period_s if rate is None else float(rate)
         self.level = float(capacity)
         self.updated = now
 
@@ -104,8 +109,8 @@ class TenantRateLimiter:
         if state is None:
             rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
             state = _TenantState(
-                requests=TokenBucket(rpm, now) if rpm else None,
-                tokens=TokenBucket(tpm, now) if tpm else None,
+                requests=TokenBucket(tenant.request_burst or rpm, now, rate=rpm / 60.0) if rpm else None,
+                tokens=TokenBucket(tenant.token_burst or tpm, now, rate=tpm / 60.0) if tpm else None,
                 max_concurrent=tenant.max_concurrent,
             )
             self._states[tenant.name] = state
@@ -133,7 +138,7 @@ class TenantRateLimiter:
             if state.tokens is not None and tokens > state.tokens.capacity:
                 raise InvalidRequest(
                     f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
-                    f"the tenant's limit of {int(state.tokens.capacity)} tokens per minute; "
+                    f"the {int(state.tokens.capacity)} tokens per minute the tenant's token bucket holds; "
                     "reduce max_tokens or the prompt",
                     code="tokens_per_minute_exceeded", param="max_tokens",
                 )

@@ -74,7 +74,9 @@ def paged_attention(
         g = meta.decode
         keys = gather_blocks(k_cache, g.block_ids, meta.block_size)   # (Bd, Hkv, L, D)
         values = gather_blocks(v_cache, g.block_ids, meta.block_size)
-        qd = q[:nd].unsqueeze(2)                          # (Bd, H, 1, D)
+        # the G query heads sharing a KV head act as G queries of that head: no GQA expansion
+        hkv = keys.shape[1]
+        qd = q[:nd].view(nd, hkv, H // hkv, D)              # (Bd, Hkv, G, D)
         outs.append(_attend(qd, keys, values, g.mask, scale).reshape(nd, H * D))
     if meta.prefill is not None:
         g = meta.prefill

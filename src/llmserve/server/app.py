@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Mapping, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +35,7 @@ def create_app(
     served_model_names: Optional[Sequence[str]] = None,
     gateway: Any = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    engines: Optional[Mapping[str, Any]] = None,
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
 
@@ -45,13 +46,22 @@ def create_app(
         gateway: optional tenant/auth/admission hook, see
             :mod:`llmserve.server.gateway_hook`.
         max_body_bytes: largest request body accepted (413 above).
+        engines: more served models in the same process, served name -> engine (e.g.
+            a fallback model the gateway routes to). ``engine`` stays the default.
 
-    The app's state holds ``engine``, ``metrics`` (:class:`ServerMetrics`, with its
-    private ``registry``), ``serving`` and ``gateway``.
+    The app's state holds ``engine``, ``engines`` (every served name -> its engine),
+    ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
+    and ``gateway``. Engine gauges and counters are exported per engine (``model``
+    label); the request latency histograms carry the default model's labels.
     """
     names = list(served_model_names) if served_model_names else [engine.model_name]
     metrics = ServerMetrics(engine, names[0], engine.fingerprint)
-    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes)
+    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines)
+    for name, other in (engines or {}).items():
+        if other is not engine:
+            metrics.add_engine(other, name, other.fingerprint)
+    all_engines = serving.engines
+    names = serving.served_model_names
     started_at = int(time.time())
 
     @asynccontextmanager
@@ -60,10 +70,14 @@ def create_app(
             yield
         finally:
             serving.close()
+            close_gateway = getattr(gateway, "close", None)
+            if callable(close_gateway):
+                close_gateway()
 
     app = FastAPI(title="llmserve", summary="OpenAI-compatible LLM server", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.engines = all_engines
     app.state.metrics = metrics
     app.state.serving = serving
     app.state.gateway = gateway
@@ -79,8 +93,9 @@ def create_app(
         return await serving.handle(request, chat=False)
 
     def model_card(name: str) -> dict[str, Any]:
+        eng = all_engines[name]
         return {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve",
-                "root": engine.model_name, "max_model_len": engine.max_model_len}
+                "root": eng.model_name, "max_model_len": eng.max_model_len}
 
     async def authenticate(request: Request) -> None:
         state = request.scope.get("state", {})
@@ -111,7 +126,7 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Any:
         try:
-            is_ready = bool(engine.is_ready())
+            is_ready = all(bool(e.is_ready()) for e in {id(e): e for e in all_engines.values()}.values())
         except Exception:  # noqa: BLE001 - a failing probe means not ready
             logger.exception("engine.is_ready() failed")
             is_ready = False

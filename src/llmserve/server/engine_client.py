@@ -72,6 +72,7 @@ class EngineClient(Protocol):
         priority: Union[int, str, None] = None,
         cache_salt: Optional[str] = None,
         deadline: Optional[float] = None,
+        queue_deadline: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's progress as increments.
 
@@ -81,7 +82,10 @@ class EngineClient(Protocol):
         increment. The last output has ``finished=True``, ``num_cached_tokens`` and
         ``metrics``. Invalid parameters raise ValueError before the first yield.
         Closing the iterator (``aclose``) or cancelling its consumer aborts the request.
-        ``deadline`` is a ``time.time()`` wall-clock instant.
+        ``deadline`` is a ``time.time()`` wall-clock instant; when it passes the request
+        ends with finish reason ``timeout``. ``queue_deadline`` (optional: the server
+        passes it only to engines whose ``generate`` accepts it) drops a request that
+        was not scheduled by then, with finish reason ``queue_timeout``.
         """
         ...
 

@@ -1,23 +1,41 @@
 """The hook through which a gateway (tenants, auth, rate limits, admission) joins the request path.
 
 ``create_app(engine, gateway=...)`` accepts any object with some or all of the
-methods of :class:`Gateway`; missing methods are skipped. For each generation
-request the server calls, in order:
+methods of :class:`Gateway`; missing methods are skipped, and each may be a plain
+function or a coroutine function. For each generation request the server calls:
 
 1. ``authenticate(ctx)`` -- before the body is parsed; only ``ctx.headers``,
    ``ctx.client``, ``ctx.endpoint``, ``ctx.request_id`` and ``ctx.arrival_time`` are set.
    Raise :class:`~llmserve.server.errors.OpenAIError` (401/403) to reject. May set
    ``ctx.tenant``, ``ctx.cache_salt``, ``ctx.priority``, ``ctx.deadline``.
-2. the server parses and validates the body, tokenizes the prompt(s) and checks
-   the context length (4xx errors end the request here; no further hook is called).
-3. ``admit(ctx)`` -- now ``model``, ``user``, ``stream``, ``prompt_tokens``,
-   ``max_tokens`` and ``num_choices`` are known and ``priority`` holds the body's
-   value (or what ``authenticate`` put there). Raise OpenAIError (429 with a
-   ``Retry-After`` header, 503, ...) to reject; or adjust ``priority``,
-   ``cache_salt``, ``deadline``, which are then passed to ``engine.generate``.
-4. ``on_complete(ctx, outcome)`` -- exactly once for every request whose ``admit``
+2. the server parses and validates the body and resolves the model (4xx errors end
+   the request here).
+3. ``prepare(ctx)`` -- now ``model``, ``user``, ``stream`` and ``raw_body`` are set.
+   Check what the request asks for (403), claim an idempotency key (409/422), or set
+   ``ctx.replay`` to a :class:`CapturedResponse`: the server then sends that response
+   as it is (JSON body, or the stored SSE events) and calls no further hook.
+4. the server tokenizes the prompt(s) and checks the context length.
+5. ``admit(ctx)`` -- now ``prompt_tokens``, ``longest_prompt_tokens``, ``max_tokens``
+   and ``num_choices`` are known and ``priority`` holds the body's value (or what an
+   earlier hook put there). Raise OpenAIError (429 with a ``Retry-After`` header,
+   503, ...) to reject; or adjust ``priority``, ``cache_salt``, ``deadline``,
+   ``queue_deadline``, which are then passed to ``engine.generate``, and
+   ``served_model`` to serve the request with another served model (a fallback).
+6. ``on_started(ctx)`` -- when the engine's first output for the request arrives
+   (it has been scheduled). At most once; never for a request the engine dropped
+   before scheduling it.
+7. ``on_complete(ctx, outcome)`` -- exactly once for every request whose ``admit``
    returned, whatever happened next (finished, client went away, engine error).
-   It is synchronous and runs on the event loop: keep it cheap and non-blocking.
+   It is awaited before the response ends: before a JSON body is sent, and before
+   a stream's ``data: [DONE]`` (for a client that went away, after it left).
+   ``outcome.response`` holds the response as sent when ``ctx.capture_response``
+   was set.
+
+``on_reject(ctx, error)`` is called exactly once for every generation request whose
+``authenticate`` returned but that was neither admitted nor replayed: an error in
+any of steps 2-5 (including one raised by ``prepare`` or ``admit`` themselves), so a
+gateway can release what it holds for the request (an idempotency claim, a rate-limit
+reservation) in one place.
 
 ``GET /v1/models`` calls ``authenticate`` only. ``/health``, ``/ready`` and
 ``/metrics`` call no hook.
@@ -55,6 +73,23 @@ class Usage:
 
 
 @dataclass
+class CapturedResponse:
+    """A whole response as sent: status, the headers worth replaying, and either the
+    JSON ``body`` or, for a stream, ``events``: the SSE ``data:`` payloads in order
+    (JSON text exactly as sent, the last one ``"[DONE]"``)."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: Any = None
+    events: Optional[list[str]] = None
+    request_id: Optional[str] = None     # the X-Request-Id it was sent with
+
+    @property
+    def streamed(self) -> bool:
+        return self.events is not None
+
+
+@dataclass
 class RequestContext:
     """One request as the gateway sees it; the gateway may write the marked fields."""
 
@@ -66,7 +101,9 @@ class RequestContext:
     model: Optional[str] = None          # the served model name asked for
     user: Optional[str] = None           # the body's "user" field
     stream: bool = False
+    raw_body: bytes = b""                # the request body as received (valid JSON)
     prompt_tokens: int = 0               # over all prompts of the request
+    longest_prompt_tokens: int = 0       # the longest single prompt
     max_tokens: int = 0                  # per choice, after filling the context
     num_choices: int = 0                 # prompts x n
     # Written by the gateway:
@@ -74,6 +111,10 @@ class RequestContext:
     priority: Union[int, str, None] = None
     cache_salt: Optional[str] = None
     deadline: Optional[float] = None     # time.time() instant; the engine stops the request then
+    queue_deadline: Optional[float] = None  # time.time(); dropped ("queue_timeout") if not started
+    served_model: Optional[str] = None   # serve with this served model instead of ``model``
+    replay: Optional[CapturedResponse] = None  # set in prepare(): send this, run nothing
+    capture_response: bool = False       # hand the response to on_complete (outcome.response)
     extra: dict[str, Any] = field(default_factory=dict)  # the gateway's own per-request state
 
 
@@ -82,7 +123,8 @@ class RequestOutcome:
     """How an admitted request ended, for ``Gateway.on_complete``.
 
     ``status`` is ``"completed"`` (the response was produced), ``"aborted"`` (the
-    client went away first) or ``"error"`` (the engine or the server failed).
+    client went away first) or ``"error"`` (the engine or the server failed, or every
+    choice ended without a token, e.g. ``queue_timeout``, and an error was sent).
     ``finish_reasons`` are the engine's reasons per choice index (``None`` for a
     choice that never finished); ``usage`` counts the tokens actually generated.
     """
@@ -91,6 +133,11 @@ class RequestOutcome:
     usage: Usage
     finish_reasons: list[Optional[str]] = field(default_factory=list)
     error: Optional[str] = None
+    served_model: Optional[str] = None     # the served model name that ran it
+    fingerprint: Optional[str] = None      # that engine's fingerprint
+    started: bool = False                  # the engine had scheduled it (on_started was called)
+    http_status: Optional[int] = None      # status sent; None: the client left before any response
+    response: Optional[CapturedResponse] = None  # with ctx.capture_response: what was sent
 
 
 class Gateway:
@@ -99,11 +146,20 @@ class Gateway:
     async def authenticate(self, ctx: RequestContext) -> None:
         """Identify the caller from ``ctx.headers``; raise OpenAIError(401) to reject."""
 
+    async def prepare(self, ctx: RequestContext) -> None:
+        """Check a parsed request (403), claim its idempotency key or set ``ctx.replay``."""
+
     async def admit(self, ctx: RequestContext) -> None:
         """Admit or reject (raise OpenAIError) a validated request; may set priority etc."""
 
-    def on_complete(self, ctx: RequestContext, outcome: RequestOutcome) -> None:
+    def on_started(self, ctx: RequestContext) -> None:
+        """The engine scheduled the request (its first output arrived)."""
+
+    async def on_complete(self, ctx: RequestContext, outcome: RequestOutcome) -> None:
         """Called once when an admitted request ends (release slots, bill usage)."""
+
+    async def on_reject(self, ctx: RequestContext, error: BaseException) -> None:
+        """Called once when an authenticated request ends before admission."""
 
 
 async def call_hook(gateway: Any, name: str, ctx: RequestContext) -> None:
@@ -118,14 +174,32 @@ async def call_hook(gateway: Any, name: str, ctx: RequestContext) -> None:
         await result
 
 
-def notify_complete(gateway: Any, ctx: RequestContext, outcome: RequestOutcome) -> None:
-    """Call ``gateway.on_complete``; a failure there is logged, never raised."""
+async def notify(gateway: Any, name: str, ctx: RequestContext, *args: Any) -> None:
+    """Call (and await) ``gateway.<name>(ctx, *args)``; a failure there is logged, never raised."""
     if gateway is None:
         return
-    hook = getattr(gateway, "on_complete", None)
+    hook = getattr(gateway, name, None)
     if hook is None:
         return
     try:
-        hook(ctx, outcome)
+        result = hook(ctx, *args)
+        if inspect.isawaitable(result):
+            await result
     except Exception:  # noqa: BLE001 - a gateway bug must not break the response path
-        logger.exception("gateway.on_complete failed for request %s", ctx.request_id)
+        logger.exception("gateway.%s failed for request %s", name, ctx.request_id)
+
+
+async def notify_complete(gateway: Any, ctx: RequestContext, outcome: RequestOutcome) -> None:
+    """Call ``gateway.on_complete``; a failure there is logged, never raised."""
+    await notify(gateway, "on_complete", ctx, outcome)
+
+
+def notify_started(gateway: Any, ctx: RequestContext) -> None:
+    """Call the synchronous ``gateway.on_started``; a failure there is logged, never raised."""
+    hook = getattr(gateway, "on_started", None) if gateway is not None else None
+    if hook is None:
+        return
+    try:
+        hook(ctx)
+    except Exception:  # noqa: BLE001
+        logger.exception("gateway.on_started failed for request %s", ctx.request_id)

@@ -2,13 +2,15 @@
 
 :class:`GenerationRun` starts one engine request per prompt, merges their output
 increments, keeps per-choice state (text, token counts, logprobs, finish reason),
-feeds the latency metrics, and -- exactly once, in :meth:`GenerationRun.finish` --
-aborts whatever is still running in the engine, releases the request ids and
-tells the gateway how the request ended.
+feeds the latency metrics, tells the gateway when the engine first scheduled it
+(``on_started``), and -- exactly once, in :meth:`GenerationRun.finish` -- aborts
+whatever is still running in the engine, releases the request ids and tells the
+gateway how the request ended (``on_complete``, awaited).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -18,12 +20,23 @@ from typing import Any, AsyncIterator, Callable, Optional
 from llmserve.protocol import RequestOutput, TokenLogprob
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import OpenAIError, value_error_to_openai
-from llmserve.server.gateway_hook import RequestContext, RequestOutcome, Usage, notify_complete
+from llmserve.server.gateway_hook import (CapturedResponse, RequestContext, RequestOutcome, Usage,
+                                          notify_complete, notify_started)
 from llmserve.server.metrics import RequestTimer, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 _END = object()
+
+
+@functools.lru_cache(maxsize=None)
+def supports_queue_deadline(engine_type: type) -> bool:
+    """Whether ``engine_type.generate`` takes ``queue_deadline`` (it is optional)."""
+    try:
+        params = inspect.signature(engine_type.generate).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return "queue_deadline" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 @dataclass
@@ -70,8 +83,10 @@ class GenerationRun:
         timer: RequestTimer,
         gateway: Any,
         release_ids: Callable[[list[str]], None],
+        served_model: Optional[str] = None,
     ) -> None:
         self.engine = engine
+        self.served_model = served_model
         self.prompts = prompts
         self.params = params
         self.engine_ids = engine_ids
@@ -85,6 +100,7 @@ class GenerationRun:
         self.prompt_tokens = [len(p) for p in prompts]
         self.cached_tokens = [0] * len(prompts)
         self.unfinished = set(range(len(prompts)))
+        self.started = False
         self._finished = False
         metrics.in_progress.inc()
 
@@ -92,9 +108,12 @@ class GenerationRun:
 
     async def _open(self, prompt_idx: int) -> AsyncIterator[RequestOutput]:
         ctx = self.ctx
+        kwargs: dict[str, Any] = {}
+        if ctx.queue_deadline is not None and supports_queue_deadline(type(self.engine)):
+            kwargs["queue_deadline"] = ctx.queue_deadline
         stream = self.engine.generate(
             self.prompts[prompt_idx], self.params, self.engine_ids[prompt_idx],
-            priority=ctx.priority, cache_salt=ctx.cache_salt, deadline=ctx.deadline)
+            priority=ctx.priority, cache_salt=ctx.cache_salt, deadline=ctx.deadline, **kwargs)
         if inspect.isawaitable(stream):  # an `async def` returning an iterator
             stream = await stream
         return stream
@@ -173,7 +192,17 @@ class GenerationRun:
             if changed:
                 yield changed
 
+    def _note_started(self, out: RequestOutput) -> None:
+        """Tell the gateway once that the engine has scheduled the request."""
+        if self.started:
+            return
+        scheduled = out.metrics is not None and out.metrics.first_scheduled_time is not None
+        if scheduled or any(c.num_tokens or c.token_ids for c in out.outputs):
+            self.started = True
+            notify_started(self.gateway, self.ctx)
+
     def _apply(self, prompt_idx: int, out: RequestOutput, now: float) -> list[ChoiceDelta]:
+        self._note_started(out)
         changed = []
         for c in out.outputs:
             if not 0 <= c.index < self.n:
@@ -230,10 +259,15 @@ class GenerationRun:
             pass
         return self
 
-    async def finish(self, status: str, error: Optional[str] = None) -> None:
+    async def finish(self, status: str, error: Optional[str] = None,
+                     response: Optional[CapturedResponse] = None,
+                     http_status: Optional[int] = None) -> None:
         """End the request exactly once: abort leftovers, release ids, notify the gateway.
 
-        ``status``: "completed", "aborted" (client went away) or "error".
+        ``status``: "completed", "aborted" (client went away) or "error"; ``response``:
+        the response as sent (given to the gateway when ``ctx.capture_response``);
+        ``http_status``: the status sent (default ``response.status``; None when the
+        client went away before any response).
         """
         if self._finished:
             return
@@ -253,5 +287,10 @@ class GenerationRun:
                 self.timer.on_request_done()
             outcome = RequestOutcome(status=status, usage=self.usage(),
                                      finish_reasons=[c.finish_reason for c in self.choices],
-                                     error=error)
-            notify_complete(self.gateway, self.ctx, outcome)
+                                     error=error, served_model=self.served_model,
+                                     fingerprint=getattr(self.engine, "fingerprint", None),
+                                     started=self.started,
+                                     http_status=http_status if http_status is not None else (
+                                         response.status if response is not None else None),
+                                     response=response if self.ctx.capture_response else None)
+            await notify_complete(self.gateway, self.ctx, outcome)

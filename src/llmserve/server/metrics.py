@@ -57,54 +57,61 @@ def short_version(fingerprint: str) -> str:
 
 
 class EngineStatsCollector(Collector):
-    """Reads ``engine.get_stats()`` on every scrape and exposes gauges and counters."""
+    """Reads ``engine.get_stats()`` on every scrape and exposes gauges and counters;
+    one series per engine (see :meth:`add`), told apart by the ``model`` label."""
 
     def __init__(self, engine: Any, label_values: tuple[str, str]) -> None:
-        self._engine = engine
-        self._lv = list(label_values)
+        self._engines: list[tuple[Any, list[str]]] = [(engine, list(label_values))]
 
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=LABELS)
-        g.add_metric(self._lv, value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=LABELS)
-        c.add_metric(self._lv, value)
-        return c
+    def add(self, engine: Any, label_values: tuple[str, str]) -> None:
+        """Export another engine's stats too (e.g. a fallback model's)."""
+        self._engines.append((engine, list(label_values)))
 
     def collect(self) -> Iterator[Any]:
-        try:
-            s = self._engine.get_stats()
-        except Exception:  # noqa: BLE001 - a broken engine must not break /metrics
-            logger.exception("engine.get_stats() failed during a metrics scrape")
-            return
+        families: dict[str, Any] = {}
+        for engine, lv in self._engines:
+            try:
+                stats = engine.get_stats()
+            except Exception:  # noqa: BLE001 - a broken engine must not break /metrics
+                logger.exception("engine.get_stats() failed during a metrics scrape")
+                continue
+            for kind, name, doc, value in self._samples(stats):
+                family = families.get(name)
+                if family is None:
+                    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                    family = families[name] = cls(name, doc, labels=LABELS)
+                family.add_metric(lv, value)
+        yield from families.values()
+
+    @staticmethod
+    def _samples(s: Any) -> Iterator[tuple[str, str, str, float]]:
+        """(kind, name, help, value) of every engine metric for one stats snapshot."""
         total = s.kv_blocks_total
-        yield self._gauge("llmserve_num_requests_running",
-                          "Requests in the engine's running batch", s.num_running)
-        yield self._gauge("llmserve_num_requests_waiting",
-                          "Requests queued in the engine, not yet running", s.num_waiting)
-        yield self._gauge("llmserve_kv_cache_blocks_used", "KV-cache blocks in use",
-                          s.kv_blocks_used)
-        yield self._gauge("llmserve_kv_cache_blocks_total", "KV-cache blocks in the pool", total)
-        yield self._gauge("llmserve_kv_cache_blocks_high_water",
-                          "Most KV-cache blocks ever in use at once", s.kv_blocks_high_water)
-        yield self._gauge("llmserve_kv_cache_usage_ratio",
-                          "kv_cache_blocks_used / kv_cache_blocks_total (0 when no pool)",
-                          (s.kv_blocks_used / total) if total else 0.0)
-        yield self._counter("llmserve_prompt_tokens", "Prompt tokens the engine has processed",
-                            s.prompt_tokens_total)
-        yield self._counter("llmserve_generation_tokens", "Tokens the engine has generated",
-                            s.generation_tokens_total)
-        yield self._counter("llmserve_prefix_cache_queries",
-                            "Prompt tokens looked up in the prefix cache", s.prefix_query_tokens)
-        yield self._counter("llmserve_prefix_cache_hits",
-                            "Prompt tokens found in the prefix cache", s.prefix_hit_tokens)
-        yield self._counter("llmserve_num_preemptions", "Sequences preempted by the scheduler",
-                            s.num_preemptions)
-        yield self._counter("llmserve_request_aborted", "Requests aborted in the engine",
-                            s.num_aborted)
-        yield self._counter("llmserve_engine_steps", "Engine scheduler steps", s.num_steps)
+        yield ("gauge", "llmserve_num_requests_running",
+                      "Requests in the engine's running batch", s.num_running)
+        yield ("gauge", "llmserve_num_requests_waiting",
+                      "Requests queued in the engine, not yet running", s.num_waiting)
+        yield ("gauge", "llmserve_kv_cache_blocks_used", "KV-cache blocks in use",
+                      s.kv_blocks_used)
+        yield ("gauge", "llmserve_kv_cache_blocks_total", "KV-cache blocks in the pool", total)
+        yield ("gauge", "llmserve_kv_cache_blocks_high_water",
+                      "Most KV-cache blocks ever in use at once", s.kv_blocks_high_water)
+        yield ("gauge", "llmserve_kv_cache_usage_ratio",
+                      "kv_cache_blocks_used / kv_cache_blocks_total (0 when no pool)",
+                      (s.kv_blocks_used / total) if total else 0.0)
+        yield ("counter", "llmserve_prompt_tokens", "Prompt tokens the engine has processed",
+                      s.prompt_tokens_total)
+        yield ("counter", "llmserve_generation_tokens", "Tokens the engine has generated",
+                      s.generation_tokens_total)
+        yield ("counter", "llmserve_prefix_cache_queries",
+                      "Prompt tokens looked up in the prefix cache", s.prefix_query_tokens)
+        yield ("counter", "llmserve_prefix_cache_hits",
+                      "Prompt tokens found in the prefix cache", s.prefix_hit_tokens)
+        yield ("counter", "llmserve_num_preemptions", "Sequences preempted by the scheduler",
+                      s.num_preemptions)
+        yield ("counter", "llmserve_request_aborted", "Requests aborted in the engine",
+                      s.num_aborted)
+        yield ("counter", "llmserve_engine_steps", "Engine scheduler steps", s.num_steps)
 
 
 class ServerMetrics:
@@ -149,7 +156,12 @@ class ServerMetrics:
         self.in_progress = Gauge("llmserve_generation_requests_in_progress",
                                  "Generation requests being served by the HTTP server",
                                  LABELS, registry=reg).labels(*lv)
-        reg.register(EngineStatsCollector(engine, lv))
+        self._engine_stats = EngineStatsCollector(engine, lv)
+        reg.register(self._engine_stats)
+
+    def add_engine(self, engine: Any, model_name: str, fingerprint: str) -> None:
+        """Export the engine gauges and counters of another served engine as well."""
+        self._engine_stats.add(engine, (model_name, short_version(fingerprint)))
 
     def count_success(self, finished_reason: str) -> None:
         self._success.labels(*self.label_values, str(finished_reason)).inc()

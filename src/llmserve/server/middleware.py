@@ -4,7 +4,8 @@
   before anything else runs, so TTFT and end-to-end latency start at arrival;
 * accepts the client's ``X-Request-Id`` (1-128 characters of ``A-Za-z0-9._:-``) or
   generates one, stores it in ``scope["state"]["request_id"]`` and returns it on every
-  response, errors included;
+  response, errors included (a replayed response sets
+  ``scope["state"]["response_request_id"]`` to return the original request's id);
 * counts responses by endpoint and status class;
 * is the catch-all: an unexpected exception becomes a logged 500 in the OpenAI shape
   (Starlette's own last-resort handler would answer in plain text and without the id);
@@ -73,7 +74,8 @@ class RequestContextMiddleware:
                 started = True
                 headers = [h for h in message.get("headers", [])
                            if h[0].lower() != b"x-request-id"]
-                headers.append((b"x-request-id", request_id.encode("ascii")))
+                sent_id = str(state.get("response_request_id") or request_id)
+                headers.append((b"x-request-id", sent_id.encode("ascii", errors="replace")))
                 message = {**message, "headers": headers}
                 try:
                     self.metrics.count_http(path, int(message["status"]))

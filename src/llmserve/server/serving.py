@@ -1,8 +1,11 @@
 """The request path of /v1/chat/completions and /v1/completions.
 
-authenticate (gateway) -> read + validate body -> resolve model -> tokenize (in a
-worker thread) -> context-length check -> SamplingParams -> reserve engine ids ->
-admit (gateway) -> GenerationRun -> SSE stream or JSON body.
+authenticate (gateway) -> read + validate body -> resolve model -> prepare (gateway;
+may answer with a stored response) -> tokenize (in a worker thread) -> context-length
+check -> SamplingParams -> reserve engine ids -> admit (gateway; may pick another
+served model) -> GenerationRun on that model's engine -> SSE stream or JSON body.
+An authenticated request that fails before admission is reported to the gateway's
+``on_reject``. See :mod:`llmserve.server.gateway_hook`.
 """
 from __future__ import annotations
 
@@ -12,14 +15,14 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import OpenAIError, bad_request, value_error_to_openai
-from llmserve.server.gateway_hook import RequestContext, call_hook
+from llmserve.server.gateway_hook import CapturedResponse, RequestContext, call_hook, notify
 from llmserve.server.generation import GenerationRun
 from llmserve.server.metrics import RequestTimer, ServerMetrics
 from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatCompletionRequest,
@@ -27,7 +30,7 @@ from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatComple
                                              parse_request)
 from llmserve.server.responses import ResponseHeader
 from llmserve.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect
-from llmserve.server.streaming import chat_body, completion_body, stream_events
+from llmserve.server.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,24 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 #: Bodies larger than this are decoded and validated in a worker thread.
 _PARSE_INLINE_BYTES = 64 * 1024
+#: Response header set on a response replayed from the idempotency store.
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+def replay_response(stored: CapturedResponse) -> Any:
+    """The HTTP response for a stored one: the same SSE events, or the same JSON body."""
+    headers = {k: v for k, v in stored.headers.items()
+               if k.lower() not in ("content-type", "content-length", "x-request-id")}
+    headers[REPLAYED_HEADER] = "true"
+    if stored.events is not None:
+        events = list(stored.events)
+
+        async def replay() -> Any:
+            for payload in events:
+                yield b"data: " + payload.encode("utf-8") + b"\n\n"
+
+        return EventStreamResponse(replay(), headers=headers)
+    return JSONResponse(stored.body, status_code=stored.status, headers=headers)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -59,12 +80,19 @@ class OpenAIServing:
     """Serves the two generation endpoints for one engine."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics, served_model_names: Sequence[str],
-                 gateway: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 gateway: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 engines: Optional[Mapping[str, Any]] = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
         self.metrics = metrics
-        self.served_model_names = list(served_model_names)
+        #: served model name -> engine: ``served_model_names`` name ``engine``, ``engines`` more.
+        self.engines: dict[str, Any] = {name: engine for name in served_model_names}
+        for name, other in (engines or {}).items():
+            if name in self.engines:
+                raise ValueError(f"served model name {name!r} is given twice")
+            self.engines[name] = other
+        self.served_model_names = list(self.engines)
         self.gateway = gateway
         self.max_body_bytes = max_body_bytes
         self._inflight: set[str] = set()
@@ -88,13 +116,13 @@ class OpenAIServing:
                               param="model", code="model_not_found")
         return requested
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        tok = self.engine.tokenizer
+    def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]]) -> list[int]:
+        tok = engine.tokenizer
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
 
-    def _text_prompts(self, prompts: list[Union[str, list[int]]]) -> list[list[int]]:
-        tok = self.engine.tokenizer
+    def _text_prompts(self, engine: Any, prompts: list[Union[str, list[int]]]) -> list[list[int]]:
+        tok = engine.tokenizer
         vocab = getattr(tok, "vocab_size", None)
         if not isinstance(vocab, int) and hasattr(tok, "__len__"):
             vocab = len(tok)
@@ -112,9 +140,9 @@ class OpenAIServing:
             out.append(list(p))
         return out
 
-    def _resolve_max_tokens(self, requested: Optional[int], field: str, longest: int,
-                            what: str) -> int:
-        limit = self.engine.max_model_len
+    def _resolve_max_tokens(self, engine: Any, requested: Optional[int], field: str,
+                            longest: int, what: str) -> int:
+        limit = engine.max_model_len
         if requested is None:
             remaining = limit - longest
             if remaining < 1:
@@ -161,7 +189,38 @@ class OpenAIServing:
             client=request.client.host if request.client else None,
             arrival_time=state.get("arrival_time", time.time()))
         await call_hook(self.gateway, "authenticate", ctx)
+        engine_ids: list[str] = []
+        try:
+            req, prompts, params, max_tokens = await self._prepare(request, ctx, chat=chat)
+            if ctx.replay is not None:
+                if ctx.replay.request_id:
+                    state["response_request_id"] = ctx.replay.request_id
+                return replay_response(ctx.replay)
+            ctx.request_id, engine_ids = self._reserve_ids(request_id, len(prompts))
+            ctx.prompt_tokens = sum(len(p) for p in prompts)
+            ctx.longest_prompt_tokens = max(len(p) for p in prompts)
+            ctx.max_tokens, ctx.num_choices = max_tokens, len(prompts) * params.n
+            if req.priority is not None:
+                ctx.priority = req.priority
+            await call_hook(self.gateway, "admit", ctx)
+            served = ctx.served_model or ctx.model
+            if served not in self.engines:
+                raise OpenAIError(500, f"the gateway chose model {served!r}, which is not served",
+                                  code="internal_error")
+        except BaseException as exc:
+            self._release_ids(engine_ids)
+            await notify(self.gateway, "on_reject", ctx, exc)
+            raise
+        return await self._run(request, ctx, prompts, params, engine_ids, served, chat=chat,
+                               req=req, arrival=arrival)
 
+    async def _prepare(self, request: Request, ctx: RequestContext, *, chat: bool
+                       ) -> tuple[Any, list[list[int]], SamplingParams, int]:
+        """Read, validate and tokenize the request; calls the gateway's ``prepare``.
+
+        Returns the parsed request, the prompts' token ids, the sampling parameters and
+        max_tokens. Returns early (prompts empty) when the gateway set ``ctx.replay``.
+        """
         body = await read_body(request, self.max_body_bytes)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         if len(body) > _PARSE_INLINE_BYTES:  # big JSON: parse off the event loop
@@ -169,6 +228,11 @@ class OpenAIServing:
         else:
             req = parse_request(model_cls, body)
         model = self.resolve_model(req.model)
+        engine = self.engines[model]
+        ctx.model, ctx.user, ctx.stream, ctx.raw_body = model, req.user, bool(req.stream), body
+        await call_hook(self.gateway, "prepare", ctx)
+        if ctx.replay is not None:
+            return req, [], SamplingParams(), 0
         requested, max_field = req.requested_max_tokens
         num_logprobs = req.num_logprobs if chat else req.logprobs
         params = make_sampling_params(req, requested, max_field, num_logprobs, chat=chat)
@@ -176,12 +240,12 @@ class OpenAIServing:
         if chat:
             messages = [m.to_template_dict(i) for i, m in enumerate(req.messages)]
             try:
-                prompts = [await self._in_thread(self._chat_prompt, messages)]
+                prompts = [await self._in_thread(self._chat_prompt, engine, messages)]
             except ValueError as exc:
                 raise bad_request(f"Invalid messages: {exc}", param="messages") from None
             what = "messages"
         else:
-            prompts = await self._in_thread(self._text_prompts, req.prompt_list())
+            prompts = await self._in_thread(self._text_prompts, engine, req.prompt_list())
             what = "prompt"
         if any(not p for p in prompts):
             raise bad_request(f"the {what} encode to zero tokens", param=what)
@@ -189,54 +253,65 @@ class OpenAIServing:
             raise bad_request(f"prompts x n must be at most {MAX_CHOICES_PER_REQUEST}",
                               param="n")
         longest = max(len(p) for p in prompts)
-        max_tokens = self._resolve_max_tokens(requested, max_field, longest, what)
+        max_tokens = self._resolve_max_tokens(engine, requested, max_field, longest, what)
         if max_tokens != params.max_tokens:
             try:
                 params = dataclasses.replace(params, max_tokens=max_tokens)
             except ValueError as exc:
                 raise value_error_to_openai(exc) from None
-
-        ctx.request_id, engine_ids = self._reserve_ids(request_id, len(prompts))
-        try:
-            ctx.model, ctx.user, ctx.stream = model, req.user, bool(req.stream)
-            ctx.prompt_tokens = sum(len(p) for p in prompts)
-            ctx.max_tokens, ctx.num_choices = max_tokens, len(prompts) * params.n
-            if req.priority is not None:
-                ctx.priority = req.priority
-            await call_hook(self.gateway, "admit", ctx)
-        except BaseException:
-            self._release_ids(engine_ids)
-            raise
-        return await self._run(request, ctx, prompts, params, engine_ids, model, chat=chat,
-                               req=req, arrival=arrival)
+        return req, prompts, params, max_tokens
 
     async def _run(self, request: Request, ctx: RequestContext, prompts: list[list[int]],
-                   params: SamplingParams, engine_ids: list[str], model: str, *, chat: bool,
+                   params: SamplingParams, engine_ids: list[str], served: str, *, chat: bool,
                    req: Any, arrival: float) -> Any:
-        run = GenerationRun(self.engine, prompts, params, engine_ids, ctx, self.metrics,
-                            RequestTimer(self.metrics, arrival), self.gateway, self._release_ids)
+        engine = self.engines[served]
+        run = GenerationRun(engine, prompts, params, engine_ids, ctx, self.metrics,
+                            RequestTimer(self.metrics, arrival), self.gateway, self._release_ids,
+                            served_model=served)
         prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         header = ResponseHeader(f"{prefix}-{ctx.request_id}",
                                 obj + ".chunk" if chat and req.stream else obj,
-                                int(time.time()), model, self.engine.fingerprint)
+                                int(time.time()), served, engine.fingerprint)
+        headers = {SERVED_BY_HEADER: served}
         if req.stream:
             events = stream_events(run, header, chat=chat, include_usage=req.include_usage,
-                                   want_logprobs=want_logprobs)
-            return EventStreamResponse(events, on_close=lambda: run.finish("aborted"))
+                                   want_logprobs=want_logprobs, capture=ctx.capture_response)
+            return EventStreamResponse(events, headers=headers,
+                                       on_close=lambda: run.finish("aborted"))
         try:
             await run_until_disconnect(run.consume(), request.receive)
         except ClientDisconnected:
-            await run.finish("aborted")
+            partial = None
+            if ctx.capture_response:  # what the client would have got, cut short
+                partial = CapturedResponse(200, {"Content-Type": "application/json", **headers},
+                                           body=self._body(run, header, chat, want_logprobs,
+                                                           aborted=True))
+            await run.finish("aborted", response=partial)
             raise
         except BaseException as exc:
-            await run.finish("error", repr(exc))
+            await run.finish("error", repr(exc),
+                             http_status=None if isinstance(exc, asyncio.CancelledError) else 500)
             raise
         err = run.terminal_check()
-        await run.finish("completed" if err is None else "error",
-                         None if err is None else err.message)
         if err is not None:
+            await run.finish("error", err.message,
+                             CapturedResponse(err.status, dict(err.headers), body=err.body()))
             raise err
+        body = self._body(run, header, chat, want_logprobs)
+        await run.finish("completed", None,
+                         CapturedResponse(200, {"Content-Type": "application/json", **headers},
+                                          body=body))
+        return JSONResponse(body, headers=headers)
+
+    @staticmethod
+    def _body(run: GenerationRun, header: ResponseHeader, chat: bool, want_logprobs: bool,
+              aborted: bool = False) -> dict[str, Any]:
+        """The JSON body; ``aborted``: unfinished choices get finish_reason ``"abort"``."""
         body = chat_body(run, header, want_logprobs) if chat else completion_body(
             run, header, want_logprobs)
-        return JSONResponse(body)
+        if aborted:
+            for choice, state in zip(body["choices"], run.choices):
+                if state.finish_reason is None:
+                    choice["finish_reason"] = "abort"
+        return body

@@ -9,13 +9,18 @@ on a choice's last chunk, its finish reason. The stream ends with ``data: [DONE]
 Nothing is yielded until a first token exists (or the request has ended), so errors
 raised before that -- including "every choice timed out without a token" -- are
 sent as ordinary JSON error responses with their HTTP status.
+
+With ``capture`` the stream keeps the payloads it sends, for the gateway's
+idempotency store; see :func:`stream_events`.
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from llmserve.server.errors import OpenAIError, error_body
+from llmserve.server.gateway_hook import CapturedResponse
 from llmserve.server.generation import ChoiceDelta, GenerationRun
 from llmserve.server.responses import (ResponseHeader, chat_choice, chat_chunk_choice,
                                        completion_choice)
@@ -24,6 +29,11 @@ from llmserve.server.sse import SSE_DONE, encode_event
 logger = logging.getLogger(__name__)
 
 ChunkMaker = Callable[[ChoiceDelta], list[dict[str, Any]]]
+
+#: Response header naming the served model that actually produced the response.
+SERVED_BY_HEADER = "X-Served-By"
+#: finish_reason of the closing chunk stored for a stream whose client went away.
+ABORT_FINISH_REASON = "abort"
 
 
 def _chat_chunks(want_logprobs: bool) -> ChunkMaker:
@@ -48,16 +58,84 @@ def _completion_chunks(want_logprobs: bool) -> ChunkMaker:
     return make
 
 
+class _StreamLog:
+    """Encodes the events of one stream and, when asked, keeps their JSON payloads
+    (exactly as sent) and which choices have already sent their finish reason."""
+
+    def __init__(self, header: ResponseHeader, extra: dict[str, Any], capture: bool) -> None:
+        self.header = header
+        self.extra = extra
+        self.payloads: Optional[list[str]] = [] if capture else None
+        self.finished: set[int] = set()
+
+    def encode(self, payload: dict[str, Any]) -> bytes:
+        data = encode_event(payload)
+        if self.payloads is not None:
+            self.payloads.append(data[len(b"data: "):-2].decode("utf-8"))
+        return data
+
+    def chunks(self, choices: list[dict[str, Any]]) -> bytes:
+        for c in choices:
+            if c.get("finish_reason") is not None:
+                self.finished.add(c["index"])
+        return b"".join(self.encode(self.header.body([c], **self.extra)) for c in choices)
+
+    def response(self, served_model: Optional[str], tail: Sequence[str] = ("[DONE]",)
+                 ) -> Optional[CapturedResponse]:
+        if self.payloads is None:
+            return None
+        headers = {"Content-Type": "text/event-stream"}
+        if served_model:
+            headers[SERVED_BY_HEADER] = served_model
+        return CapturedResponse(200, headers, events=self.payloads + list(tail))
+
+
+def _abort_tail(log: _StreamLog, run: GenerationRun, *, chat: bool, started: bool,
+                include_usage: bool) -> list[str]:
+    """The events that end a stream whose client went away (stored for replay, never
+    sent): role chunks if nothing was sent yet (chat), a chunk with finish_reason
+    ``"abort"`` for every choice that had not finished, the usage chunk when asked for,
+    and ``[DONE]``."""
+    def payload(body: dict[str, Any]) -> str:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+    tail = []
+    if chat and not started:
+        tail += [payload(log.header.body([chat_chunk_choice(i, {"role": "assistant", "content": ""})],
+                                         **log.extra)) for i in range(len(run.choices))]
+    for c in run.choices:
+        if c.index in log.finished:
+            continue
+        if chat:
+            choice = {"index": c.index, "delta": {}, "logprobs": None,
+                      "finish_reason": ABORT_FINISH_REASON, "stop_reason": None}
+        else:
+            choice = {"index": c.index, "text": "", "logprobs": None,
+                      "finish_reason": ABORT_FINISH_REASON, "stop_reason": None}
+        tail.append(payload(log.header.body([choice], **log.extra)))
+    if include_usage:
+        tail.append(payload(log.header.body([], usage=run.usage().to_openai())))
+    return tail + ["[DONE]"]
+
+
 async def stream_events(
     run: GenerationRun, header: ResponseHeader, *, chat: bool, include_usage: bool,
-    want_logprobs: bool,
+    want_logprobs: bool, capture: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The SSE byte stream of one request; always ends the run via ``run.finish``."""
+    """The SSE byte stream of one request; always ends the run via ``run.finish``.
+
+    A stream that ends normally calls ``run.finish("completed")`` before it sends
+    ``data: [DONE]``. With ``capture``, the events are kept and handed to
+    ``run.finish`` (for the gateway): as sent, or, when the client went away, what
+    was sent followed by :func:`_abort_tail`.
+    """
     extra = {"usage": None} if include_usage else {}
+    log = _StreamLog(header, extra, capture)
     make = _chat_chunks(want_logprobs) if chat else _completion_chunks(want_logprobs)
     started = False
     pending: list[dict[str, Any]] = []
     status, error = "aborted", None
+    response: Optional[CapturedResponse] = None
     source = run.deltas()
     try:
         async for deltas in source:
@@ -76,8 +154,8 @@ async def stream_events(
                              for i in range(len(run.choices))]
                     pending = roles + pending
             if pending:
-                yield b"".join(encode_event(header.body([c], **extra)) for c in pending)
-                pending = []
+                data, pending = log.chunks(pending), []
+                yield data
         if not started:  # the engine ended without a single increment
             err = run.terminal_check()
             if err is not None:
@@ -87,29 +165,40 @@ async def stream_events(
                            for i in range(len(run.choices))] + pending
             started = True
             if pending:
-                yield b"".join(encode_event(header.body([c], **extra)) for c in pending)
+                yield log.chunks(pending)
         if include_usage:
-            yield encode_event(header.body([], usage=run.usage().to_openai()))
+            yield log.encode(header.body([], usage=run.usage().to_openai()))
         status = "completed"
+        await run.finish(status, None, log.response(run.served_model), 200)
         yield SSE_DONE
     except OpenAIError as err:
         status, error = "error", err.message
         if not started:
+            response = CapturedResponse(err.status, dict(err.headers), body=err.body())
             raise
         logger.warning("stream %s failed after it started: %s", header.response_id, err.message)
-        yield encode_event(err.body()) + SSE_DONE
+        data = log.encode(err.body()) + SSE_DONE
+        response = log.response(run.served_model)
+        yield data
     except Exception as exc:  # noqa: BLE001 - the client gets an error event, we log it
         status, error = "error", repr(exc)
         if not started:
             raise
         logger.exception("stream %s failed after it started", header.response_id)
-        yield encode_event(error_body("internal error while streaming", "server_error",
-                                      code="internal_error")) + SSE_DONE
+        data = log.encode(error_body("internal error while streaming", "server_error",
+                                     code="internal_error")) + SSE_DONE
+        response = log.response(run.served_model)
+        yield data
     finally:
         try:
             await source.aclose()
         finally:
-            await run.finish(status, error)
+            if status == "aborted" and log.payloads is not None:
+                response = log.response(run.served_model, _abort_tail(
+                    log, run, chat=chat, started=started, include_usage=include_usage))
+            http_status = 200 if started else (
+                response.status if response is not None else (500 if status == "error" else None))
+            await run.finish(status, error, response, http_status)
 
 
 def chat_body(run: GenerationRun, header: ResponseHeader, want_logprobs: bool) -> dict[str, Any]:
