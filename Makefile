@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install install-test serve test bench clean
+.PHONY: install serve test bench bench-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: install
 
 bench: install
 	$(VENV)/bin/llmserve bench offline $(ARGS)
+
+# Optional peers for `llmserve bench compare` (compiles llama.cpp: ~15 min on 2 cores).
+bench-peers: install
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install "llama-cpp-python[server]"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
