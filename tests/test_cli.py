@@ -1,0 +1,50 @@
+"""The `llmserve` command line: real subprocesses, exit codes and messages."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
+
+
+def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", "--log-level", "WARNING", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_completion(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_heads=4, num_kv_heads=2)
+    r = run("generate", "--model", path, "--max-tokens", "8", "--num-kv-blocks", "32", "Hello")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()  # some text came out
+
+
+@pytest.mark.slow
+def test_generate_chat_default_model():
+    r = run("generate", "--chat", "--max-tokens", "24", "--num-kv-blocks", "64",
+            "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    r = run("generate", "--model", str(tmp_path / "nope"), "hi")
+    assert r.returncode == 2
+    assert "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_invalid_sampling_value_is_a_clear_error(tmp_path):
+    r = run("generate", "--top-p", "1.5", "hi")
+    assert r.returncode == 2
+    assert "top_p" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path):
+    d = tmp_path / "weird"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["FancyForCausalLM"]}')
+    r = run("generate", "--model", str(d), "hi")
+    assert r.returncode == 2
+    assert "FancyForCausalLM" in r.stderr and "Traceback" not in r.stderr
