@@ -49,7 +49,8 @@ class FreeBlockQueue:
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev
-        assert last is not None
+        if last is None or block.prev is not None or block.next is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
         last.next = block
         block.prev = last
         block.next = self._tail
@@ -150,8 +151,7 @@ class BlockPool:
         self.cached[block_hash] = block
 
     def _drop_hash(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        if self.cached.get(block.block_hash) is block:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
         block.namespace = None
