@@ -133,3 +133,21 @@ def test_stop_token_ids_min_tokens_and_logprobs(tiny_path):
         assert entry.top_logprobs[0].token_id == tok  # greedy picks the most likely token
         assert abs(entry.logprob - tops[0]) < 1e-6 and entry.logprob <= 0
         assert sum(torch.tensor(tops).exp().tolist()) <= 1.0 + 1e-5
+
+
+def test_bfloat16_runs_and_stays_close_to_fp32(tiny_path):
+    import torch
+
+    from .test_parity import StepRecorder
+
+    def last_logits(dtype):
+        llm = LLM(tiny_path, num_kv_blocks=64, block_size=4, dtype=dtype)
+        rec = StepRecorder(llm)
+        out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=3, temperature=0,
+                                                        ignore_eos=True))[0]
+        assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+        return torch.stack(rec.sampled_logits(out.request_id))
+
+    a, b = last_logits("float32"), last_logits("bfloat16")
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert (cos > 0.99).all(), cos
