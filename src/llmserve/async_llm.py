@@ -11,6 +11,7 @@ Torch ops release the GIL, so the event loop keeps serving while a step runs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -30,11 +31,12 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("loop", "queue")
+    __slots__ = ("loop", "queue", "request_id")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id = request_id  # the caller's id; the engine sees a unique internal one
 
     def put(self, item: object) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -51,7 +53,10 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.block_size = engine.config.block_size
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}      # internal engine id -> stream
+        self._internal: dict[str, str] = {}          # caller's id -> internal engine id
+        self._counter = itertools.count()
+        self._closed = False
         self._stats = engine.get_stats()
         self._dead: Optional[BaseException] = None
         self._stop = threading.Event()
@@ -75,35 +80,54 @@ class AsyncLLM:
         deadline: Optional[float] = None, queue_deadline: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
-        user, children = self.engine.make_requests(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-            deadline=deadline, queue_deadline=queue_deadline)
-        if request_id in self._streams:
+        self._check_alive()
+        if request_id in self._internal:
             raise ValueError(f"request id {request_id!r} is already running")
-        stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
+        # A unique engine id per call: a retry that reuses the caller's id can never
+        # receive the deltas of the earlier request that is still being aborted.
+        internal = f"{request_id}@{next(self._counter)}"
+        user, children = self.engine.make_requests(
+            internal, prompt, params, priority=priority, cache_salt=cache_salt,
+            deadline=deadline, queue_deadline=queue_deadline)
+        stream = _Stream(asyncio.get_running_loop(), request_id)
+        self._streams[internal] = stream
+        self._internal[request_id] = internal
         self._commands.put(("add", user, children))
+        self._check_alive()  # the loop may have died while we registered
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # nothing left in the engine to abort
                     raise item
+                item.request_id = request_id
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
-            self._streams.pop(request_id, None)
+                self._commands.put(("abort", internal))
+            self._streams.pop(internal, None)
+            if self._internal.get(request_id) == internal:
+                del self._internal[request_id]
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """Abort a running request by the caller's id (unknown or finished ids are ignored)."""
+        internal = self._internal.get(request_id)
+        if internal is not None:
+            self._commands.put(("abort", internal))
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread; every open stream ends with EngineDeadError."""
+        self._closed = True
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
@@ -131,25 +155,47 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         engine = self.engine
+        idle = False
         try:
             while not self._stop.is_set():
-                block = not engine.has_unfinished_requests()
+                wait = not engine.has_unfinished_requests() or idle
                 try:
-                    cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                    cmd = (self._commands.get(timeout=0.5 if not idle else 0.01) if wait
+                           else self._commands.get_nowait())
                     self._handle(cmd)
                     while True:
                         self._handle(self._commands.get_nowait())
                 except queue.Empty:
                     pass
+                idle = False
                 if engine.has_unfinished_requests():
-                    for out in engine.step():
+                    try:
+                        outs = engine.step()
+                    except Exception as exc:  # noqa: BLE001 - fail this step's requests only
+                        logger.exception("engine step failed; aborting in-flight requests")
+                        self._fail_all(exc)
+                        outs = []
+                    for out in outs:
                         self._deliver(out)
+                    idle = not outs and not engine.scheduler.running
                 self._stats = engine.get_stats()
         except BaseException as exc:  # noqa: BLE001 - report the crash to every caller
             logger.exception("engine loop crashed")
             self._dead = exc
-            err = EngineDeadError(f"engine loop died: {exc!r}")
+        finally:
+            self._closed = True
+            err = EngineDeadError(f"engine loop stopped: {self._dead!r}" if self._dead
+                                  else "the engine is shut down")
             for stream in list(self._streams.values()):
+                stream.put(err)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """After a failed step: end every request in the engine and tell its caller."""
+        err = RuntimeError(f"engine step failed: {exc!r}")
+        for internal in list(self._streams):
+            self.engine.abort_request(internal)
+            stream = self._streams.get(internal)
+            if stream is not None:
                 stream.put(err)
 
 

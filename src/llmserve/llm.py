@@ -53,12 +53,13 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         salts = self._per_prompt(cache_salt, n, "cache_salt")
         prios = self._per_prompt(priority, n, "priority")
-        ids = []
-        for prompt, p, salt, prio in zip(prompts, params, salts, prios):
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p, cache_salt=salt, priority=prio)
-            ids.append(rid)
-        return self._run(ids)
+        # validate every prompt before any enters the engine
+        prepared = [self.engine.make_requests(f"offline-{next(self._ids)}", prompt, p,
+                                              cache_salt=salt, priority=prio)
+                    for prompt, p, salt, prio in zip(prompts, params, salts, prios)]
+        for user, children in prepared:
+            self.engine.add_prepared(user, children)
+        return self._run([user.request_id for user, _ in prepared])
 
     def chat(
         self,
@@ -91,10 +92,15 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
         engine = self.engine
+        stalled = 0
         while pending:
             if not engine.has_unfinished_requests():
                 raise RuntimeError("engine stopped with requests pending")
-            for delta in engine.step():
+            deltas = engine.step()
+            stalled = 0 if deltas or engine.scheduler.running else stalled + 1
+            if stalled > 1000:
+                raise RuntimeError("the scheduler made no progress for 1000 steps")
+            for delta in deltas:
                 acc = results.get(delta.request_id)
                 if acc is None:
                     acc = results[delta.request_id] = RequestOutput(

@@ -73,7 +73,10 @@ class LLMEngine:
         elif isinstance(gen_eos, list):
             eos |= set(gen_eos)
         self.eos_token_ids = eos
-        self.runner = ModelRunner(config, ckpt.config, ckpt.weights, model_len, eos)
+        # token ids the tokenizer can decode; a checkpoint's padded vocab rows are never sampled
+        self.vocab_size = min(ckpt.config.vocab_size, self.tokenizer.vocab_size)
+        self.runner = ModelRunner(config, ckpt.config, ckpt.weights, model_len, eos,
+                                  sample_vocab_size=self.vocab_size)
         del ckpt.weights
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < model_len:
@@ -126,7 +129,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
@@ -167,6 +170,10 @@ class LLMEngine:
     def add_prepared(self, user: _UserRequest, children: list[Request]) -> None:
         if user.request_id in self._requests:
             raise ValueError(f"request id {user.request_id!r} is already in the engine")
+        taken = [c.request_id for c in children
+                 if c.request_id in self.scheduler.requests or c.request_id in self._child_parent]
+        if taken:  # check all before adding any: never leave an orphan child behind
+            raise ValueError(f"request id(s) {taken} are already in the engine")
         for c in children:
             self.core.add_request(c)
             self._child_parent[c.request_id] = user.request_id

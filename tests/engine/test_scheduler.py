@@ -194,3 +194,27 @@ def test_deadline_and_queue_deadline_end_requests_and_free_kv(clock):
     assert [(u.request.request_id, u.delta.finish_reason) for u in ups] == [("running", "timeout")]
     assert core.kv.num_used_blocks == 0 and not core.scheduler.requests
     core.kv.check_invariants()
+
+
+def test_watermark_never_blocks_a_request_that_fits_an_idle_pool():
+    core = make_core(num_blocks=4, admission_watermark_blocks=1)
+    core.add_request(req("big", 15, max_tokens=1))     # needs all 4 blocks
+    core.add_request(req("next", 3, max_tokens=1, start_tok=300))
+    done = run_to_end(core, max_steps=50)
+    assert set(done) == {"big", "next"}
+
+
+def test_no_priority_inversion_when_blocks_run_out(clock):
+    core = make_core(num_blocks=6, max_num_batched_tokens=8, clock=clock)
+    low = req("low", 2, max_tokens=16, priority=2)
+    core.add_request(low)
+    core.step()
+    high = req("high", 17, max_tokens=4, priority=0, start_tok=100)
+    core.add_request(high)
+    for _ in range(40):
+        if not core.scheduler.requests:
+            break
+        core.step()
+        s = core.runner.steps[-1]
+        assert high not in s.preempted or not any(x.request is low for x in s.scheduled)
+    assert high.is_finished

@@ -151,3 +151,51 @@ def test_bfloat16_runs_and_stays_close_to_fp32(tiny_path):
     a, b = last_logits("float32"), last_logits("bfloat16")
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     assert (cos > 0.99).all(), cos
+
+
+def test_padded_vocab_rows_are_never_sampled_nor_accepted(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "pad"), arch="llama", num_heads=4, num_kv_heads=2,
+                                vocab_size=49408, seed=9)
+    llm = LLM(path, num_kv_blocks=64, block_size=4)
+    assert llm.engine.vocab_size == 49152
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[10, 11, 49300]], SamplingParams(max_tokens=2))
+    outs = llm.generate([PROMPTS[0]] * 4, SamplingParams(max_tokens=40, temperature=2.0, seed=1,
+                                                        ignore_eos=True))
+    assert all(t < 49152 for o in outs for t in o.outputs[0].token_ids)
+    assert llm.engine.kv.num_used_blocks == 0 or not llm.engine.has_unfinished_requests()
+
+
+def test_generate_validates_every_prompt_before_running_any(tiny_path):
+    llm = LLM(tiny_path, num_kv_blocks=64, block_size=4)
+    with pytest.raises(ValueError):
+        llm.generate([PROMPTS[0], [10**9]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_async_reused_id_and_shutdown(tiny_path):
+    engine = AsyncLLM(LLM(tiny_path, num_kv_blocks=128, block_size=4).engine)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+    async def main():
+        a = engine.generate(PROMPTS[1], params, "same-id")
+        await a.__anext__()
+        await a.aclose()                      # caller A goes away ...
+        b = [o async for o in engine.generate(PROMPTS[2], params, "same-id")]  # ... and retries
+        toks = [t for o in b for c in o.outputs for t in c.token_ids]
+        assert len(toks) == 30 and b[-1].finished
+        assert {o.request_id for o in b} == {"same-id"}
+        alone = LLM(tiny_path, num_kv_blocks=128, block_size=4).generate([PROMPTS[2]], params)
+        assert toks == alone[0].outputs[0].token_ids
+        # shutdown ends an open stream with an error instead of leaving it hanging
+        c = engine.generate(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True), "c")
+        await c.__anext__()
+        engine.shutdown()
+        with pytest.raises(RuntimeError):
+            async for _ in c:
+                pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

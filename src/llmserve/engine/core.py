@@ -102,10 +102,17 @@ class EngineCore:
             token = result.token_ids[i]
             req.append_token(token)
             self.generation_tokens_total += 1
-            if req.num_output_tokens == 1:
+            if req.num_output_tokens == 1 and req.index == 0:
                 self.prompt_tokens_total += req.num_prompt_tokens
-            delta, finish, stop_reason = self.outputs.process_token(
-                req, token, lps[i] if lps else None, tops[i] if tops else None)
+            try:
+                delta, finish, stop_reason = self.outputs.process_token(
+                    req, token, lps[i] if lps else None, tops[i] if tops else None)
+            except Exception:  # noqa: BLE001 - one bad sequence must not stop the others
+                logger.exception("output processing failed for %s; aborting it", rid)
+                upd = self.abort_request(rid, FinishReason.ABORT.value)
+                if upd is not None:
+                    updates.append(upd)
+                continue
             if finish is not None:
                 self.scheduler.finish_request(req, finish, stop_reason)
                 self.runner.release(rid)

@@ -83,7 +83,8 @@ class OutputProcessor:
         text = st.detok.add_tokens([token_id]) if finish is None else ""
         if ending:
             text += st.detok.flush()
-        if st.stops is not None:
+        if st.stops is not None and req.num_output_tokens >= p.min_tokens:
+            # stop strings apply once min_tokens exist (text before that is never held back)
             text, matched = st.stops.feed(text)
             if matched is not None:
                 if finish is None:

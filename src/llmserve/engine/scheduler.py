@@ -11,7 +11,9 @@ catch up with its tokens (1 for a decode, up to the rest of its prompt for a pre
     2. waiting requests (new and preempted), only if nobody was preempted this step:
        prefix-cache lookup, then as many prompt tokens as the budget allows (chunked)
 
-Priority key (lower runs first): class rank - aging_rate * seconds waited, then arrival.
+Waiting requests are ordered by class rank - aging_rate * seconds waited, then arrival
+(lower runs first); running ones by class, decodes before prefills, then arrival. A
+preemption victim never has a better class than the request that needs the blocks.
 """
 from __future__ import annotations
 
@@ -146,9 +148,11 @@ class Scheduler:
         prefill_cap = cfg.max_prefill_tokens_per_step or budget
         scheduled_ids: set[str] = set()
 
-        self.running.sort(key=lambda r: self._key(r, now))
-        # decodes before unfinished prefills, each group in priority order
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        # running requests by class; within a class decodes before unfinished prefills
+        # (inter-token latency), then by arrival
+        self.running.sort(key=lambda r: (r.priority, r.num_tokens - r.num_computed_tokens > 1,
+                                         r.arrival_time))
+        order = list(self.running)
         for request in order:
             if budget <= 0:
                 break
@@ -161,8 +165,8 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim(scheduled_ids | {request.request_id})
-                if victim is None:
-                    victim = request
+                if victim is None or victim.priority < request.priority:
+                    victim = request  # never evict someone more important than the requester
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -183,8 +187,10 @@ class Scheduler:
                 num_cached = len(cached) * self.kv.block_size
                 remaining = request.num_tokens - num_cached
                 num_new = min(remaining, budget, prefill_cap if remaining > 1 else remaining)
-                if not self.kv.allocate_slots(request, num_new, cached,
-                                              reserve=cfg.admission_watermark_blocks):
+                # the watermark keeps room for running decodes; with nothing running it
+                # would only stop a request that fits the pool from ever starting
+                reserve = cfg.admission_watermark_blocks if self.running else 0
+                if not self.kv.allocate_slots(request, num_new, cached, reserve=reserve):
                     break  # keep priority order: nobody jumps a request that does not fit
                 first_time = request.num_cached_tokens < 0
                 if first_time:

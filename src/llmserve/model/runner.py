@@ -83,7 +83,8 @@ class ModelRunner:
 
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig,
                  weights: dict[str, torch.Tensor], max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 sample_vocab_size: Optional[int] = None) -> None:
         self.config = engine_config
         self.model_config = model_config
         self.device = resolve_device(engine_config.device)
@@ -102,6 +103,8 @@ class ModelRunner:
             for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed=engine_config.seed)
+        # logits past the tokenizer's vocabulary (checkpoint padding) are cut off before sampling
+        self.sample_vocab_size = sample_vocab_size or model_config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
         self.capture_logits = False       # tests: keep the sampled rows' logits
@@ -165,6 +168,8 @@ class ModelRunner:
         if not sampled:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        if self.sample_vocab_size < logits.shape[-1]:
+            logits = logits[:, :self.sample_vocab_size]
         if self.capture_logits:
             out.logits = logits.cpu()
         params = [s.request.sampling_params for s in sampled]
