@@ -6,11 +6,13 @@ The flat token batch of a step is laid out decodes first, then prefill chunks::
     tokens:  [d0 d1 ... d_{B-1} | p0 p0 p0 p0 | p1 p1 | ... ]
               one query each      chunk of seq 0, seq 1 ...
 
-    decode group : q (Bd, H, 1, D) vs keys (Bd, Hkv, Ld, D), mask key < ctx_len
+    decode group : q (Bd, Hkv, G, D) vs keys (Bd, Hkv, Ld, D), mask key < ctx_len
     prefill group: q padded to (Bp, H, Qmax, D) vs keys (Bp, Hkv, Lp, D),
                    mask key <= query position (causal over cached + new tokens)
 
-All index tensors are built once per step (AttentionMetadata) and reused by every layer.
+Decodes and prefills are each split into groups of similar block-table width (powers of
+two), so one long context does not pad every short one. All index tensors are built once
+per step (AttentionMetadata) and reused by every layer.
 KV cache per layer: (num_blocks * block_size, num_kv_heads, head_dim); slot = block * bs + offset.
 Keys are gathered a whole block at a time (one index_select of contiguous rows of
 block_size * kv_heads * head_dim elements), which streams at memory speed.
@@ -26,22 +28,30 @@ import torch.nn.functional as F
 
 @dataclass
 class GroupMetadata:
-    """Index tensors of one attention group (decode or prefill)."""
+    """Index tensors of one attention group: a run of decodes, or of prefill chunks.
 
+    Sequences are grouped by block-table width (and chunk length) in powers of two, so
+    padding stays under 2x whatever mix of long and short contexts a step holds.
+    """
+
+    token_start: int               # the group's first row in the flat token batch
+    num_tokens: int                # its rows (decode: one per sequence)
     block_ids: torch.Tensor        # (B, W) long: each sequence's block table (padding -> block 0)
     mask: torch.Tensor             # (B, 1, Q, W * block_size) bool
-    query_index: Optional[torch.Tensor] = None  # prefill: (B*Qmax,) flat-token index per padded query
-    output_index: Optional[torch.Tensor] = None  # prefill: (Np,) padded row of each real query
+    query_index: Optional[torch.Tensor] = None  # prefill: (B*Qmax,) group row per padded query
+    output_index: Optional[torch.Tensor] = None  # prefill: (N,) padded row of each real query
     max_query: int = 1
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_index is None
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor     # (T,) long: where each new token's K/V is written
     block_size: int
-    num_decode: int
-    decode: Optional[GroupMetadata]
-    prefill: Optional[GroupMetadata]
+    groups: list[GroupMetadata]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -69,22 +79,19 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     T, H, D = q.shape
     outs = []
-    nd = meta.num_decode
-    if meta.decode is not None:
-        g = meta.decode
-        keys = gather_blocks(k_cache, g.block_ids, meta.block_size)   # (Bd, Hkv, L, D)
+    for g in meta.groups:
+        keys = gather_blocks(k_cache, g.block_ids, meta.block_size)   # (B, Hkv, L, D)
         values = gather_blocks(v_cache, g.block_ids, meta.block_size)
-        # the G query heads sharing a KV head act as G queries of that head: no GQA expansion
-        hkv = keys.shape[1]
-        qd = q[:nd].view(nd, hkv, H // hkv, D)              # (Bd, Hkv, G, D)
-        outs.append(_attend(qd, keys, values, g.mask, scale).reshape(nd, H * D))
-    if meta.prefill is not None:
-        g = meta.prefill
-        bp = g.block_ids.shape[0]
-        qp = q[nd:].index_select(0, g.query_index).view(bp, g.max_query, H, D).transpose(1, 2)
-        keys = gather_blocks(k_cache, g.block_ids, meta.block_size)
-        values = gather_blocks(v_cache, g.block_ids, meta.block_size)
-        o = _attend(qp, keys, values, g.mask, scale)      # (Bp, H, Qmax, D)
-        o = o.transpose(1, 2).reshape(bp * g.max_query, H * D)
-        outs.append(o.index_select(0, g.output_index))
+        qg = q[g.token_start:g.token_start + g.num_tokens]
+        b = g.block_ids.shape[0]
+        if g.is_decode:
+            # the G query heads sharing a KV head act as G queries of that head
+            hkv = keys.shape[1]
+            o = _attend(qg.view(b, hkv, H // hkv, D), keys, values, g.mask, scale)
+            outs.append(o.reshape(b, H * D))
+        else:
+            qp = qg.index_select(0, g.query_index).view(b, g.max_query, H, D).transpose(1, 2)
+            o = _attend(qp, keys, values, g.mask, scale)           # (B, H, Qmax, D)
+            o = o.transpose(1, 2).reshape(b * g.max_query, H * D)
+            outs.append(o.index_select(0, g.output_index))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -139,9 +139,8 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> RunnerOutput:
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
+        ordered = sorted(sched.scheduled,
+                         key=lambda s: _group_key(s, block_tables[s.request.request_id]))
         input_ids, positions, rows = [], [], []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
@@ -155,7 +154,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(s)
         dev = self.device
-        meta = self._attention_metadata(ordered, len(decodes), positions, rows, block_tables)
+        meta = self._attention_metadata(ordered, positions, rows, block_tables)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model.forward(ids_t, pos_t, meta, self.kv_caches)
@@ -197,9 +196,9 @@ class ModelRunner:
             self.generators[request.request_id] = gen
         return gen
 
-    def _attention_metadata(self, ordered: list[ScheduledRequest], num_decode: int,
-                            positions: list[int], rows: list[int],
-                            block_tables: dict[str, list[int]]) -> AttentionMetadata:
+    def _attention_metadata(self, ordered: list[ScheduledRequest], positions: list[int],
+                            rows: list[int], block_tables: dict[str, list[int]]
+                            ) -> AttentionMetadata:
         dev, bs = self.device, self.block_size
         tables = [block_tables[s.request.request_id] for s in ordered]
         width = max(len(t) for t in tables)
@@ -207,33 +206,58 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         row_t = torch.tensor(rows, dtype=torch.long, device=dev)
         slot_mapping = bt[row_t, pos_t // bs] * bs + pos_t % bs
+        groups = []
+        i = token = 0
+        while i < len(ordered):
+            key = _group_key(ordered[i], tables[i])
+            j = i + 1
+            while j < len(ordered) and _group_key(ordered[j], tables[j]) == key:
+                j += 1
+            members = ordered[i:j]
+            n_tok = sum(s.num_new_tokens for s in members)
+            w = max(len(t) for t in tables[i:j])
+            if key[0] == 0:
+                groups.append(self._decode_group(members, bt[i:j, :w], token))
+            else:
+                groups.append(self._prefill_group(members, bt[i:j, :w], token, n_tok))
+            token += n_tok
+            i = j
+        return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, groups=groups)
 
-        decode = prefill = None
-        if num_decode:
-            ctx = torch.tensor([s.start + 1 for s in ordered[:num_decode]], device=dev)
-            w = max(len(t) for t in tables[:num_decode])
-            keys = torch.arange(w * bs, device=dev)
-            mask = (keys.unsqueeze(0) < ctx.unsqueeze(1)).view(num_decode, 1, 1, -1)
-            decode = GroupMetadata(block_ids=bt[:num_decode, :w], mask=mask)
-        pre = ordered[num_decode:]
-        if pre:
-            n = torch.tensor([s.num_new_tokens for s in pre], device=dev)
-            start = torch.tensor([s.start for s in pre], device=dev)
-            qmax = int(n.max())
-            w = max(len(t) for t in tables[num_decode:])
-            qi = torch.arange(qmax, device=dev).unsqueeze(0)           # (1, Qmax)
-            valid = qi < n.unsqueeze(1)                                # (Bp, Qmax)
-            offsets = torch.cumsum(n, 0) - n
-            query_index = torch.where(valid, offsets.unsqueeze(1) + qi, 0).flatten()
-            b = torch.arange(len(pre), device=dev).unsqueeze(1)
-            output_index = (b * qmax + qi)[valid]
-            qpos = torch.where(valid, start.unsqueeze(1) + qi, 0)      # padded queries see key 0
-            keys = torch.arange(w * bs, device=dev)
-            mask = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
-            prefill = GroupMetadata(block_ids=bt[num_decode:, :w], mask=mask, query_index=query_index,
-                                    output_index=output_index, max_query=qmax)
-        return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decode=num_decode,
-                                 decode=decode, prefill=prefill)
+    def _decode_group(self, members: list[ScheduledRequest], block_ids: torch.Tensor,
+                      token_start: int) -> GroupMetadata:
+        dev = self.device
+        ctx = torch.tensor([s.start + 1 for s in members], device=dev)
+        keys = torch.arange(block_ids.shape[1] * self.block_size, device=dev)
+        mask = (keys.unsqueeze(0) < ctx.unsqueeze(1)).view(len(members), 1, 1, -1)
+        return GroupMetadata(token_start=token_start, num_tokens=len(members),
+                             block_ids=block_ids, mask=mask)
+
+    def _prefill_group(self, members: list[ScheduledRequest], block_ids: torch.Tensor,
+                       token_start: int, num_tokens: int) -> GroupMetadata:
+        dev = self.device
+        n = torch.tensor([s.num_new_tokens for s in members], device=dev)
+        start = torch.tensor([s.start for s in members], device=dev)
+        qmax = int(n.max())
+        qi = torch.arange(qmax, device=dev).unsqueeze(0)           # (1, Qmax)
+        valid = qi < n.unsqueeze(1)                                # (B, Qmax)
+        offsets = torch.cumsum(n, 0) - n
+        query_index = torch.where(valid, offsets.unsqueeze(1) + qi, 0).flatten()
+        b = torch.arange(len(members), device=dev).unsqueeze(1)
+        output_index = (b * qmax + qi)[valid]
+        qpos = torch.where(valid, start.unsqueeze(1) + qi, 0)      # padded queries see key 0
+        keys = torch.arange(block_ids.shape[1] * self.block_size, device=dev)
+        mask = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+        return GroupMetadata(token_start=token_start, num_tokens=num_tokens, block_ids=block_ids,
+                             mask=mask, query_index=query_index, output_index=output_index,
+                             max_query=qmax)
+
+
+def _group_key(s: ScheduledRequest, table: list[int]) -> tuple[int, int]:
+    """(0 for decode or log2 of the chunk length, log2 of the block-table width)."""
+    n = s.num_new_tokens
+    kind = 0 if n == 1 else max(1, (n - 1).bit_length())
+    return kind, (max(1, len(table)) - 1).bit_length()
 
 
 def _row_starts(ordered: list[ScheduledRequest]) -> list[int]:
