@@ -43,6 +43,7 @@ class KVCacheManager:
         self.fingerprint = fingerprint
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}   # the same tables as ids, kept in step
         self._req_num_registered: dict[str, int] = {}
         self._roots: dict[Optional[str], BlockHash] = {}
         self.high_water = 0
@@ -64,8 +65,8 @@ class KVCacheManager:
         return math.ceil(num_tokens / self.block_size)
 
     def blocks_of(self, request_id: str) -> list[int]:
-        """Block ids held by a request (its block table), empty if none."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """Block ids held by a request (its block table), empty if none. Do not mutate."""
+        return self._req_block_ids.get(request_id, [])
 
     def block_table(self, request_id: str) -> list[KVBlock]:
         return self._req_blocks.get(request_id, [])
@@ -130,13 +131,17 @@ class KVCacheManager:
             return False
         rid = request.request_id
         blocks = self._req_blocks.setdefault(rid, [])
+        ids = self._req_block_ids.setdefault(rid, [])
         if cached:
             self.pool.touch(cached)
             blocks.extend(cached)
+            ids.extend(b.block_id for b in cached)
         total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(blocks)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
+            new = self.pool.allocate(need)
+            blocks.extend(new)
+            ids.extend(b.block_id for b in new)
         if self.enable_prefix_caching:
             num_full = total // self.block_size
             start = self._req_num_registered.get(rid, 0)
@@ -153,6 +158,7 @@ class KVCacheManager:
     def free(self, request: Request) -> int:
         """Release every block of a request (tail first). Returns how many it held."""
         blocks = self._req_blocks.pop(request.request_id, None)
+        self._req_block_ids.pop(request.request_id, None)
         self._req_num_registered.pop(request.request_id, None)
         if not blocks:
             return 0
@@ -167,8 +173,13 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise KVLedgerError unless every block is either free or owned, exactly once."""
         owners: Counter[int] = Counter()
+        if self._req_block_ids.keys() != self._req_blocks.keys():
+            raise KVLedgerError("block-id tables disagree with block tables")
         for rid, blocks in self._req_blocks.items():
             ids = [b.block_id for b in blocks]
+            if ids != self._req_block_ids[rid]:
+                raise KVLedgerError(f"request {rid}: block-id table {self._req_block_ids[rid]} "
+                                    f"!= {ids}")
             if len(set(ids)) != len(ids):
                 raise KVLedgerError(f"request {rid} holds a block twice: {ids}")
             owners.update(ids)
