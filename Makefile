@@ -33,8 +33,11 @@ bench: install
 	$(VENV)/bin/llmserve bench offline $(ARGS)
 
 # Optional peers for `llmserve bench compare` (compiles llama.cpp: ~15 min on 2 cores).
+# A portable AVX2 build: on VMs that report AMX/AVX-512 without enabling them, a native
+# build dies with "invalid opcode" on the first request.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 bench-peers: install
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install "llama-cpp-python[server]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install "llama-cpp-python[server]==0.3.36"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import logging
 import math
@@ -121,11 +123,18 @@ def run_entry(label: str, rate: float, concurrency: Optional[int], result: LoadR
 
 async def execute_runs(options: BenchOptions, specs: Sequence[RequestSpec]
                        ) -> tuple[list[dict], str]:
-    """Run every sweep point in turn against ``options.base_url``; returns (runs, model)."""
+    """Run every sweep point in turn against ``options.base_url``; returns (runs, model).
+
+    Each sweep point after the first gets fresh prompts (seed + point index, same length
+    distributions), so a server's prefix cache cannot reuse an earlier point's prompts.
+    """
     runs, model = [], options.model
-    for label, rate, conc in _points(options):
+    for i, (label, rate, conc) in enumerate(_points(options)):
+        point_specs = specs
+        if i and options.workload != "jsonl":
+            point_specs, _ = make_specs(dataclasses.replace(options, seed=options.seed + i))
         result = await run_load(
-            options.base_url, specs, model=model, endpoint=options.endpoint,
+            options.base_url, point_specs, model=model, endpoint=options.endpoint,
             request_rate=rate, max_concurrency=conc, seed=options.seed,
             ignore_eos=options.ignore_eos, temperature=options.temperature,
             extra_body=options.extra_body, request_timeout_s=options.request_timeout_s,
