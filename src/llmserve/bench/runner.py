@@ -6,9 +6,8 @@
 """
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
