@@ -28,15 +28,17 @@ def transformers_config(mc):
     return transformers.LlamaConfig(attention_bias=mc.attention_bias, **common)
 
 
-def load_transformers_model(model_path: str):
-    """An eval-mode fp32 transformers causal LM with llmserve's weights for ``model_path``."""
+def load_transformers_model(model_path: str, dtype: str = "float32"):
+    """An eval-mode transformers causal LM with llmserve's weights for ``model_path``."""
     import torch
     import transformers
 
     from llmserve.model.loader import load_checkpoint
 
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
     if os.path.isdir(model_path):
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         return model.eval()
     ckpt = load_checkpoint(model_path)
     cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}.get(
@@ -47,4 +49,4 @@ def load_transformers_model(model_path: str):
         raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
     if ckpt.config.tie_word_embeddings:
         model.tie_weights()
-    return model.eval()
+    return model.to(torch_dtype).eval()

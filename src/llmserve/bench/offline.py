@@ -76,13 +76,14 @@ def run_llmserve(llm, wl: Workload) -> dict:
             "mean_ttft_s": statistics.fmean(first.values())}
 
 
-def run_transformers_static(model_path: str, wl: Workload, batch_size: int) -> dict:
+def run_transformers_static(model_path: str, wl: Workload, batch_size: int,
+                            dtype: str = "float32") -> dict:
     """Static batching baseline: left-padded batches in arrival order, each run to its longest."""
     import torch
 
     from llmserve.bench.hf_baseline import load_transformers_model
 
-    hf = load_transformers_model(model_path)
+    hf = load_transformers_model(model_path, dtype)
     pad = 0
     t0 = time.perf_counter()
     useful = 0
@@ -117,12 +118,14 @@ def cmd_offline(args: argparse.Namespace, make_config: Callable) -> int:
                            "input_tokens": [args.input_min, args.input_max],
                            "output_tokens": [args.output_min, args.output_max],
                            "output_dist": args.output_dist, "output_mean": args.output_mean,
-                           "seed": args.seed, "concurrency": cfg.max_num_seqs},
+                           "seed": args.seed, "concurrency": cfg.max_num_seqs,
+                           "dtype": llm.engine.kv_dtype},
               "llmserve": ours}
     print(f"llmserve      : {ours['output_tok_s']:8.1f} output tok/s "
           f"({ours['output_tokens']} tokens in {ours['seconds']:.1f}s)")
     if not args.skip_baseline:
-        base = run_transformers_static(llm.engine.model_path, wl, cfg.max_num_seqs)
+        base = run_transformers_static(llm.engine.model_path, wl, cfg.max_num_seqs,
+                                       llm.engine.kv_dtype)
         result["transformers_static"] = base
         result["ratio"] = ours["output_tok_s"] / base["output_tok_s"]
         print(f"transformers  : {base['output_tok_s']:8.1f} output tok/s "
