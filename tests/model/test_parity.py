@@ -21,6 +21,9 @@ CASES = [
     pytest.param(("llama", 4, 1), id="llama-mqa"),
     pytest.param(("qwen2", 4, 2), id="qwen2"),
     pytest.param(("qwen3", 4, 2), id="qwen3"),
+    pytest.param(("llama", 4, 2, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}), id="llama3-rope"),
 ]
 
 PROMPTS = [
@@ -57,9 +60,10 @@ class StepRecorder:
 
 @pytest.fixture(scope="module", params=CASES)
 def tiny(request, tmp_path_factory):
-    arch, heads, kv_heads = request.param
+    arch, heads, kv_heads, *rope = request.param
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(f"{arch}{kv_heads}")), arch=arch,
-                                num_heads=heads, num_kv_heads=kv_heads, seed=1)
+                                num_heads=heads, num_kv_heads=kv_heads, seed=1,
+                                rope_scaling=rope[0] if rope else None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     hf.eval()
     return path, hf
