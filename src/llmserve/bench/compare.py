@@ -163,8 +163,12 @@ def llmserve_spec(name: str, model: str, extra_args: Sequence[str] = ()) -> Serv
 
 
 def llama_cpp_spec(gguf_path: str, extra_args: Sequence[str] = ()) -> ServerSpec:
+    """llama-cpp-python's server. By default a new request *interrupts* the one being served;
+    ``--interrupt_requests False`` makes it queue them instead (one at a time), which is what
+    a concurrency sweep must measure. Later ``extra_args`` override it."""
     return ServerSpec("llama-cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path,
-                                    "--host", "{host}", "--port", "{port}", *extra_args],
+                                    "--host", "{host}", "--port", "{port}",
+                                    "--interrupt_requests", "False", *extra_args],
                       ready_paths=("/v1/models",))
 
 
