@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 
 from typing import AsyncIterator, Optional
 
@@ -57,6 +58,8 @@ class AsyncLLM:
         self._internal: dict[str, str] = {}          # caller's id -> internal engine id
         self._counter = itertools.count()
         self._closed = False
+        self._last_audit = 0.0
+        self.ledger_errors = 0     # failed idle KV-ledger audits (should stay 0)
         self._stats = engine.get_stats()
         self._dead: Optional[BaseException] = None
         self._stop = threading.Event()
@@ -168,6 +171,8 @@ class AsyncLLM:
                 except queue.Empty:
                     pass
                 idle = False
+                if not engine.has_unfinished_requests():
+                    self._audit_when_idle()
                 if engine.has_unfinished_requests():
                     try:
                         outs = engine.step()
@@ -188,6 +193,18 @@ class AsyncLLM:
                                   else "the engine is shut down")
             for stream in list(self._streams.values()):
                 stream.put(err)
+
+    def _audit_when_idle(self, every_s: float = 30.0) -> None:
+        """While idle, check the KV ledger now and then: every block free, none lost."""
+        now = time.monotonic()
+        if now - self._last_audit < every_s:
+            return
+        self._last_audit = now
+        try:
+            self.engine.check_invariants()
+        except Exception:  # noqa: BLE001 - report, keep serving
+            logger.exception("KV ledger check failed while idle")
+            self.ledger_errors += 1
 
     def _fail_all(self, exc: Exception) -> None:
         """After a failed step: end every request in the engine and tell its caller."""

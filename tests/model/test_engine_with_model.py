@@ -199,3 +199,23 @@ def test_async_reused_id_and_shutdown(tiny_path):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_async_engine_audits_kv_ledger_when_idle(tiny_path):
+    import time
+
+    engine = AsyncLLM(LLM(tiny_path, num_kv_blocks=32, block_size=4).engine)
+    try:
+        deadline = time.time() + 5
+        while engine._last_audit == 0.0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine._last_audit > 0.0 and engine.ledger_errors == 0
+        # a corrupted ledger is reported, not ignored
+        engine.engine.kv.pool.blocks[0].ref_cnt = 5
+        engine._last_audit = 0.0
+        deadline = time.time() + 5
+        while engine.ledger_errors == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.ledger_errors == 1
+    finally:
+        engine.shutdown()
