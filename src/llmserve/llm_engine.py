@@ -39,7 +39,6 @@ class _UserRequest:
     children: list[str]
     num_cached_tokens: int = 0
     finished_children: set = field(default_factory=set)
-    arrival_time: float = 0.0
 
 
 class LLMEngine:
@@ -163,8 +162,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 deadline=deadline, queue_deadline=queue_deadline, parent_id=request_id,
                 index=i))
-        user = _UserRequest(request_id, text, ids, [c.request_id for c in children],
-                            arrival_time=arrival)
+        user = _UserRequest(request_id, text, ids, [c.request_id for c in children])
         return user, children
 
     def add_prepared(self, user: _UserRequest, children: list[Request]) -> None:

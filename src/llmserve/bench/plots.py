@@ -47,6 +47,13 @@ def _values_ms(requests: Sequence[dict], key: str) -> list[float]:
     return sorted(out)
 
 
+
+def _finish_axes(ax) -> None:
+    """Light grid, and a legend when anything was labelled."""
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
 def plot_latency_cdfs(runs: Sequence[dict], path: Path) -> Path:
     """2x2 empirical CDFs; ``runs`` are results' run entries (label + requests)."""
     fig = _new_figure(11, 8)
@@ -61,9 +68,7 @@ def plot_latency_cdfs(runs: Sequence[dict], path: Path) -> Path:
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        _finish_axes(ax)
     return _save(fig, path)
 
 
@@ -77,9 +82,7 @@ def plot_ttft_vs_input_len(runs: Sequence[dict], path: Path) -> Path:
     ax.set_xlabel("input tokens (client tokenizer)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("TTFT vs input length")
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+    _finish_axes(ax)
     return _save(fig, path)
 
 
@@ -97,9 +100,7 @@ def plot_throughput_vs_concurrency(runs: Sequence[dict], path: Path) -> Path:
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput vs concurrency")
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+    _finish_axes(ax)
     return _save(fig, path)
 
 

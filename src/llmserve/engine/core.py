@@ -45,15 +45,18 @@ class EngineCore:
         self.check_invariants_each_step = check_invariants
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.last_runner_output = None
+        self._timed: dict[str, Request] = {}   # requests with a deadline or queue deadline
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        if request.deadline is not None or request.queue_deadline is not None:
+            self._timed[request.request_id] = request
 
     def abort_request(self, request_id: str, reason: str = FinishReason.ABORT.value
                       ) -> Optional[SequenceUpdate]:
         """End a sequence wherever it is; its KV is free when this returns."""
         request = self.scheduler.requests.get(request_id)
+        self._timed.pop(request_id, None)
         if request is None:
             return None
         if reason == FinishReason.ABORT.value:
@@ -68,9 +71,13 @@ class EngineCore:
     def expire_deadlines(self, now: float) -> list[SequenceUpdate]:
         """End requests past their deadline ("timeout") or still queued past their queue
         deadline ("queue_timeout"); their KV is freed at once."""
+        if not self._timed:
+            return []
         expired = []
-        for r in self.scheduler.requests.values():
-            if r.deadline is not None and r.deadline <= now:
+        for rid, r in list(self._timed.items()):
+            if r.is_finished:
+                del self._timed[rid]
+            elif r.deadline is not None and r.deadline <= now:
                 expired.append((r, FinishReason.TIMEOUT.value))
             elif (r.queue_deadline is not None and r.queue_deadline <= now
                   and r.metrics.first_scheduled_time is None):
@@ -89,7 +96,6 @@ class EngineCore:
         tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
                   for s in sched.scheduled}
         result = self.runner.execute(sched, tables)
-        self.last_runner_output = result
         self.scheduler.on_step_done(sched)
         updates = []
         requests = self.scheduler.requests

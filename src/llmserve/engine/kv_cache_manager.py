@@ -68,9 +68,6 @@ class KVCacheManager:
         """Block ids held by a request (its block table), empty if none. Do not mutate."""
         return self._req_block_ids.get(request_id, [])
 
-    def block_table(self, request_id: str) -> list[KVBlock]:
-        return self._req_blocks.get(request_id, [])
-
     def ledger(self) -> dict[str, list[int]]:
         """request id -> block ids, for every request that holds blocks."""
         return {rid: [b.block_id for b in bl] for rid, bl in self._req_blocks.items()}

@@ -130,10 +130,6 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def _key(self, request: Request, now: float) -> tuple[float, float]:
         waited = now - request.arrival_time
         return (request.priority - self.config.aging_rate * waited, request.arrival_time)

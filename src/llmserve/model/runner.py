@@ -139,8 +139,10 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> RunnerOutput:
-        ordered = sorted(sched.scheduled,
-                         key=lambda s: _group_key(s, block_tables[s.request.request_id]))
+        keyed = sorted(((_group_key(s, block_tables[s.request.request_id]), s)
+                        for s in sched.scheduled), key=lambda ks: ks[0])
+        keys = [k for k, _ in keyed]
+        ordered = [s for _, s in keyed]
         input_ids, positions, rows = [], [], []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
@@ -154,7 +156,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(s)
         dev = self.device
-        meta = self._attention_metadata(ordered, positions, rows, block_tables)
+        meta = self._attention_metadata(ordered, keys, positions, rows, block_tables)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model.forward(ids_t, pos_t, meta, self.kv_caches)
@@ -196,9 +198,9 @@ class ModelRunner:
             self.generators[request.request_id] = gen
         return gen
 
-    def _attention_metadata(self, ordered: list[ScheduledRequest], positions: list[int],
-                            rows: list[int], block_tables: dict[str, list[int]]
-                            ) -> AttentionMetadata:
+    def _attention_metadata(self, ordered: list[ScheduledRequest], keys: list[tuple[int, int]],
+                            positions: list[int], rows: list[int],
+                            block_tables: dict[str, list[int]]) -> AttentionMetadata:
         dev, bs = self.device, self.block_size
         tables = [block_tables[s.request.request_id] for s in ordered]
         width = max(len(t) for t in tables)
@@ -209,9 +211,9 @@ class ModelRunner:
         groups = []
         i = token = 0
         while i < len(ordered):
-            key = _group_key(ordered[i], tables[i])
+            key = keys[i]
             j = i + 1
-            while j < len(ordered) and _group_key(ordered[j], tables[j]) == key:
+            while j < len(ordered) and keys[j] == key:
                 j += 1
             members = ordered[i:j]
             n_tok = sum(s.num_new_tokens for s in members)
