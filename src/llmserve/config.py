@@ -14,11 +14,12 @@ class EngineConfig:
     """
 
     model: Optional[str] = None            # HF folder or .gguf file; None: the default model
-    dtype: str = "auto"                    # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    dtype: str = "auto"                    # auto (bf16 on CUDA / CPUs with native bf16, else fp32) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"           # auto (= dtype) | float32 | bfloat16 | float16
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     block_size: int = 16                   # tokens per KV block
-    kv_cache_gib: Optional[float] = None   # KV pool size; None: gpu_memory_utilization / cpu default
-    kv_cache_fraction: float = 0.5         # of free memory when kv_cache_gib is None
+    kv_cache_gib: Optional[float] = None   # KV pool size; None: max_num_seqs x max_model_len tokens
+    kv_cache_fraction: float = 0.5         # cap: this share of free memory when kv_cache_gib is None
     num_kv_blocks: Optional[int] = None    # overrides the memory budget (tests use tiny pools)
     max_num_seqs: int = 64                 # sequences per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decodes)
@@ -29,6 +30,8 @@ class EngineConfig:
     preemption_cooldown_steps: int = 4     # a preempted request is not preempted again this soon
     seed: int = 0                          # default generator seed for unseeded requests
     num_threads: Optional[int] = None      # torch CPU threads; None: torch's default
+    enforce_eager: Optional[bool] = None   # True: never compile; None: env LLMSERVE_ENFORCE_EAGER, else compile
+    attention_backend: str = "auto"        # auto (paged) | paged | reference
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -49,6 +52,13 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
             )
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16",
+                                       "fp16"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16; "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ("auto", "paged", "reference"):
+            raise ValueError(f"attention_backend must be one of auto, paged, reference; "
+                             f"got {self.attention_backend!r}")
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
 

@@ -47,18 +47,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, check_invariants: bool = False) -> None:
         import torch  # noqa: F401  (the runner needs it; imported here to keep errors early)
 
-        from llmserve.model.loader import load_checkpoint
-        from llmserve.model.runner import ModelRunner, resolve_device, resolve_dtype
+        from llmserve.model.loader import open_checkpoint
+        from llmserve.model.runner import ModelRunner
 
         self.config = config
         self.model_path = resolve_model_path(config.model)
         t0 = time.time()
-        ckpt = load_checkpoint(self.model_path)
+        ckpt = open_checkpoint(self.model_path)
         self.model_config = ckpt.config
         self.tokenizer = Tokenizer.from_path(self.model_path)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        self.kv_dtype = str(dtype).replace("torch.", "")
         model_len = ckpt.config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > model_len:
@@ -74,9 +71,9 @@ class LLMEngine:
         self.eos_token_ids = eos
         # token ids the tokenizer can decode; a checkpoint's padded vocab rows are never sampled
         self.vocab_size = min(ckpt.config.vocab_size, self.tokenizer.vocab_size)
-        self.runner = ModelRunner(config, ckpt.config, ckpt.weights, model_len, eos,
-                                  sample_vocab_size=self.vocab_size)
-        del ckpt.weights
+        self.runner = ModelRunner(config, ckpt, model_len, eos, sample_vocab_size=self.vocab_size)
+        self.dtype = str(self.runner.dtype).replace("torch.", "")
+        self.kv_dtype = str(self.runner.kv_dtype).replace("torch.", "")
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < model_len:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no more",
@@ -99,6 +96,7 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler, self.runner, OutputProcessor(self.tokenizer),
                                check_invariants=check_invariants)
         self.model_name = _model_name(self.model_path)
+        self.runner.warmup()
         self._requests: dict[str, _UserRequest] = {}
         self._child_parent: dict[str, str] = {}
         logger.info("engine ready in %.1fs: %s (%s), fingerprint %s", time.time() - t0,
@@ -113,6 +111,7 @@ class LLMEngine:
             "weights": weights_fp,
             "quantization": mc.quantization,
             "tokenizer": self.tokenizer.fingerprint,
+            "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
             "block_size": self.config.block_size,
         }

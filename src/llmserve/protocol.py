@@ -88,6 +88,16 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: "CompletionOutput") -> "CompletionOutput":
+        """This delta followed by a later one of the same completion (several tokens a step)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return CompletionOutput(
+            index=self.index, text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids, finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason, logprobs=logprobs, num_tokens=later.num_tokens)
+
 
 @dataclass
 class RequestOutput:

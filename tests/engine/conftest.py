@@ -19,9 +19,21 @@ class Clock:
 
 
 def make_core(num_blocks=64, caching=True, clock=None, **sched_kwargs) -> EngineCore:
+    """An engine core on a fake runner; ``core.schedules`` records every SchedulerOutput."""
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching, fingerprint="test")
     sched = Scheduler(SchedulerConfig(**sched_kwargs), kv, clock=clock or Clock())
-    return EngineCore(sched, FakeRunner(), OutputProcessor(CharTokenizer()), check_invariants=True)
+    core = EngineCore(sched, FakeRunner(block_size=BLOCK), OutputProcessor(CharTokenizer()),
+                      check_invariants=True)
+    core.schedules = []
+    inner = sched.schedule
+
+    def schedule():
+        out = inner()
+        core.schedules.append(out)
+        return out
+
+    sched.schedule = schedule
+    return core
 
 
 @pytest.fixture

@@ -1,38 +1,36 @@
-"""A model runner stand-in for CPU scheduler tests: no torch, deterministic tokens."""
+"""A model runner stand-in for CPU scheduler tests: no torch, deterministic tokens.
+
+It speaks the same typed step messages (StepInput -> StepOutput) as the real runner.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from llmserve.engine.scheduler import SchedulerOutput
-
-
-@dataclass
-class FakeRunnerOutput:
-    request_ids: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: None = None
-    top_logprobs: None = None
+from llmserve.engine.step_types import StepInput, StepOutput
 
 
 class FakeRunner:
     """Emits token (sum of the sequence's tokens) % vocab, so outputs depend on the whole prefix."""
 
-    def __init__(self, vocab: int = 1000, eos: int | None = None) -> None:
+    def __init__(self, vocab: int = 1000, eos: int | None = None, block_size: int = 4) -> None:
         self.vocab = vocab
-        self.steps: list[SchedulerOutput] = []
+        self.block_size = block_size
+        self.steps: list[StepInput] = []
         self.released: list[str] = []
 
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]):
-        self.steps.append(sched)
-        out = FakeRunnerOutput()
-        for s in sched.scheduled:
-            table = block_tables[s.request.request_id]
-            need = -(-(s.start + s.num_new_tokens) // 4)
-            if len(table) < need:
-                raise AssertionError(f"block table too short for {s.request}")
-            if s.samples:
-                out.request_ids.append(s.request.request_id)
-                out.token_ids.append(10 + sum(s.request.all_token_ids) % (self.vocab - 10))
+    def execute(self, step: StepInput) -> StepOutput:
+        self.steps.append(step)
+        out = StepOutput()
+        offset = 0
+        for i, rid in enumerate(step.request_ids):
+            n = step.num_new_tokens[i]
+            need = -(-(step.start_positions[i] + n) // self.block_size)
+            if len(step.block_tables[i]) < need:
+                raise AssertionError(f"block table too short for {rid}")
+            if step.num_samples[i]:
+                samp = step.sampling[i]
+                total = sum(samp.prompt_token_ids) + sum(samp.output_token_ids)
+                out.request_ids.append(rid)
+                out.token_ids.append([10 + total % (self.vocab - 10)])
+            offset += n
         return out
 
     def release(self, request_id: str) -> None:

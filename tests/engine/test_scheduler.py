@@ -34,7 +34,7 @@ def test_budget_respected_every_step():
         core.add_request(req(f"r{i}", 5 + 7 * i, max_tokens=6))
     while core.scheduler.requests:
         core.step()
-        s = core.runner.steps[-1]
+        s = core.schedules[-1]
         assert s.num_batched_tokens <= 32
         assert len(s.scheduled) <= 8
         assert sum(x.num_new_tokens for x in s.scheduled) == s.num_batched_tokens
@@ -48,7 +48,7 @@ def test_chunked_prefill_interleaves_with_decodes():
     chunks = []
     for _ in range(8):
         core.step()
-        s = core.runner.steps[-1]
+        s = core.schedules[-1]
         kinds = {x.request.request_id: x.num_new_tokens for x in s.scheduled}
         assert kinds.get("short") == 1            # the decode runs in every step
         if "long" in kinds:
@@ -61,7 +61,7 @@ def test_max_prefill_tokens_per_step_caps_prefill():
     core.add_request(req("a", 40))
     core.add_request(req("b", 40))
     core.step()
-    s = core.runner.steps[-1]
+    s = core.schedules[-1]
     assert s.num_prefill_tokens <= 8
 
 
@@ -70,14 +70,14 @@ def test_priority_order_and_aging(clock):
     core.add_request(req("batch-old", 4, priority=2, arrival=clock.t - 5))
     core.add_request(req("interactive", 4, priority=0, arrival=clock.t))
     core.step()
-    assert [x.request.request_id for x in core.runner.steps[-1].scheduled] == ["interactive"]
+    assert [x.request.request_id for x in core.schedules[-1].scheduled] == ["interactive"]
     run_to_end(core)
     # aging: a batch request that waited 30 s (2 - 3 = -1) beats a fresh interactive one (0)
     core2 = make_core(max_num_seqs=1, clock=clock, aging_rate=0.1)
     core2.add_request(req("batch-aged", 4, priority=2, arrival=clock.t - 30))
     core2.add_request(req("interactive", 4, priority=0, arrival=clock.t))
     core2.step()
-    assert [x.request.request_id for x in core2.runner.steps[-1].scheduled] == ["batch-aged"]
+    assert [x.request.request_id for x in core2.schedules[-1].scheduled] == ["batch-aged"]
 
 
 def test_preemption_picks_lowest_priority_latest_arrival(clock):
@@ -94,7 +94,7 @@ def test_preemption_picks_lowest_priority_latest_arrival(clock):
     preempted = []
     for _ in range(3):  # soon every request needs a third block
         core.step()
-        preempted += [r.request_id for r in core.runner.steps[-1].preempted]
+        preempted += [r.request_id for r in core.schedules[-1].preempted]
         if preempted:
             break
     assert preempted[0] == "lo-late"
@@ -215,6 +215,6 @@ def test_no_priority_inversion_when_blocks_run_out(clock):
         if not core.scheduler.requests:
             break
         core.step()
-        s = core.runner.steps[-1]
+        s = core.schedules[-1]
         assert high not in s.preempted or not any(x.request is low for x in s.scheduled)
     assert high.is_finished

@@ -41,8 +41,8 @@ def test_logits_match_transformers_on_same_dequantized_weights(llm):
     inner = runner.execute
     captured = []
 
-    def execute(sched, tables):
-        out = inner(sched, tables)
+    def execute(step):
+        out = inner(step)
         captured.append(out)
         return out
 

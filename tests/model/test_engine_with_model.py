@@ -21,9 +21,9 @@ def tiny_path(tmp_path_factory):
 
 
 def test_tiny_pool_preempts_and_matches_ample_pool(tiny_path):
-    ample = LLM(tiny_path, num_kv_blocks=128, block_size=4, check_invariants=True)
+    ample = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4, check_invariants=True)
     ref = [o.outputs[0].token_ids for o in ample.generate(PROMPTS, GREEDY)]
-    tight = LLM(tiny_path, num_kv_blocks=24, block_size=4, check_invariants=True,
+    tight = LLM(tiny_path, dtype="float32", num_kv_blocks=24, block_size=4, check_invariants=True,
                 enable_prefix_caching=False)
     got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, GREEDY)]
     assert tight.get_stats().num_preemptions > 0
@@ -32,7 +32,7 @@ def test_tiny_pool_preempts_and_matches_ample_pool(tiny_path):
 
 
 def test_requests_added_mid_run_match_alone(tiny_path):
-    llm = LLM(tiny_path, num_kv_blocks=128, block_size=4, check_invariants=True)
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4, check_invariants=True)
     alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS[:4]]
     eng = llm.engine
     got: dict[str, list[int]] = {}
@@ -49,7 +49,7 @@ def test_requests_added_mid_run_match_alone(tiny_path):
 
 
 def test_n_completions_and_seeds(tiny_path):
-    llm = LLM(tiny_path, num_kv_blocks=128, block_size=4)
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4)
     p = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     a = llm.generate([PROMPTS[0]], p)[0]
     assert [c.index for c in a.outputs] == [0, 1, 2]
@@ -62,7 +62,7 @@ def test_n_completions_and_seeds(tiny_path):
 
 
 def test_async_cancel_mid_decode_frees_kv(tiny_path):
-    engine = AsyncLLM(LLM(tiny_path, num_kv_blocks=128, block_size=4).engine)
+    engine = AsyncLLM(LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4).engine)
 
     async def main():
         before = engine.engine.kv.num_used_blocks
@@ -91,7 +91,7 @@ def test_async_cancel_mid_decode_frees_kv(tiny_path):
 
 
 def test_stop_string_spanning_tokens_is_never_shown(tiny_path):
-    llm = LLM(tiny_path, num_kv_blocks=128, block_size=4)
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4)
     free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0,
                                                      ignore_eos=True))[0].outputs[0]
     text = free.text
@@ -115,7 +115,7 @@ def test_stop_string_spanning_tokens_is_never_shown(tiny_path):
 def test_stop_token_ids_min_tokens_and_logprobs(tiny_path):
     import torch
 
-    llm = LLM(tiny_path, num_kv_blocks=128, block_size=4)
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4)
     free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0,
                                                      ignore_eos=True))[0].outputs[0]
     stop_id = free.token_ids[5]
@@ -167,14 +167,14 @@ def test_padded_vocab_rows_are_never_sampled_nor_accepted(tmp_path):
 
 
 def test_generate_validates_every_prompt_before_running_any(tiny_path):
-    llm = LLM(tiny_path, num_kv_blocks=64, block_size=4)
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=64, block_size=4)
     with pytest.raises(ValueError):
         llm.generate([PROMPTS[0], [10**9]], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
 
 
 def test_async_reused_id_and_shutdown(tiny_path):
-    engine = AsyncLLM(LLM(tiny_path, num_kv_blocks=128, block_size=4).engine)
+    engine = AsyncLLM(LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4).engine)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 
     async def main():
@@ -185,7 +185,7 @@ def test_async_reused_id_and_shutdown(tiny_path):
         toks = [t for o in b for c in o.outputs for t in c.token_ids]
         assert len(toks) == 30 and b[-1].finished
         assert {o.request_id for o in b} == {"same-id"}
-        alone = LLM(tiny_path, num_kv_blocks=128, block_size=4).generate([PROMPTS[2]], params)
+        alone = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4).generate([PROMPTS[2]], params)
         assert toks == alone[0].outputs[0].token_ids
         # shutdown ends an open stream with an error instead of leaving it hanging
         c = engine.generate(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True), "c")
@@ -204,7 +204,7 @@ def test_async_reused_id_and_shutdown(tiny_path):
 def test_async_engine_audits_kv_ledger_when_idle(tiny_path):
     import time
 
-    engine = AsyncLLM(LLM(tiny_path, num_kv_blocks=32, block_size=4).engine)
+    engine = AsyncLLM(LLM(tiny_path, dtype="float32", num_kv_blocks=32, block_size=4).engine)
     try:
         deadline = time.time() + 5
         while engine._last_audit == 0.0 and time.time() < deadline:

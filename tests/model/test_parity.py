@@ -43,8 +43,8 @@ class StepRecorder:
         self.steps: list = []
         inner = self.runner.execute
 
-        def execute(sched, tables):
-            out = inner(sched, tables)
+        def execute(step):
+            out = inner(step)
             self.steps.append(out)
             return out
 

@@ -34,8 +34,8 @@ def logits_for(llm: LLM, prompt: list[int], salt=None):
 @pytest.mark.parametrize("suffix", [[], [7], [7, 8, 9], list(range(300, 300 + BS))],
                          ids=["ends-on-boundary", "one-more", "partial-block", "full-extra-block"])
 def test_hit_logits_equal_miss_logits(tiny_path, suffix):
-    off = LLM(tiny_path, num_kv_blocks=64, block_size=BS, enable_prefix_caching=False)
-    on = LLM(tiny_path, num_kv_blocks=64, block_size=BS, check_invariants=True)
+    off = LLM(tiny_path, dtype="float32", num_kv_blocks=64, block_size=BS, enable_prefix_caching=False)
+    on = LLM(tiny_path, dtype="float32", num_kv_blocks=64, block_size=BS, check_invariants=True)
     warm, _ = logits_for(on, SHARED + [1, 2])           # fills the cache with SHARED's blocks
     prompt = SHARED + suffix
     hit, hit_logits = logits_for(on, prompt)
@@ -48,7 +48,7 @@ def test_hit_logits_equal_miss_logits(tiny_path, suffix):
 
 
 def test_tenants_do_not_share(tiny_path):
-    llm = LLM(tiny_path, num_kv_blocks=64, block_size=BS)
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=64, block_size=BS)
     prompt = SHARED + [1]
     a1, _ = logits_for(llm, prompt, salt="tenant:a")
     b1, _ = logits_for(llm, prompt, salt="tenant:b")
@@ -60,6 +60,7 @@ def test_tenants_do_not_share(tiny_path):
 
 
 def _fingerprint(path, **kw):
+    kw.setdefault("dtype", "float32")
     return LLM(path, num_kv_blocks=16, block_size=kw.pop("block_size", BS), **kw).engine.fingerprint
 
 
@@ -71,6 +72,7 @@ def test_fingerprint_covers_everything_that_changes_kv(tiny_path, tmp_path):
     assert _fingerprint(other_weights) != base
     assert _fingerprint(tiny_path, block_size=8) != base
     assert _fingerprint(tiny_path, dtype="bfloat16") != base
+    assert _fingerprint(tiny_path, kv_cache_dtype="bfloat16") != base   # fp32 weights, bf16 KV
     templ = str(tmp_path / "templ")
     shutil.copytree(tiny_path, templ)
     cfg_path = os.path.join(templ, "tokenizer_config.json")

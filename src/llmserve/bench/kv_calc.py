@@ -14,7 +14,7 @@ shown for the model as it is and for its attention variants with the same query 
 
 Next to it, the engine's paged pool: each sequence holds whole blocks, so it occupies
 ceil(seq_len / block_size) * block_size token slots. The pool's bytes per token come from
-the engine's own ``llmserve.model.runner.kv_bytes_per_block`` when ``measure_pool=True``
+the engine's own ``llmserve.model.kv_cache.kv_bytes_per_block`` when ``measure_pool=True``
 (this imports torch, lazily; only float32/bfloat16/float16 pools exist in the engine),
 otherwise from the formula above.
 
@@ -186,7 +186,7 @@ def engine_pool_bytes_per_token(config: ModelConfig, block_size: int, kv_dtype: 
         return None
     import torch
 
-    from llmserve.model.runner import kv_bytes_per_block
+    from llmserve.model.kv_cache import kv_bytes_per_block
 
     torch_dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                    "bf16": torch.bfloat16, "float16": torch.float16,

@@ -1,8 +1,9 @@
 """EngineCore: schedule -> execute -> sample -> update, one step at a time (no torch).
 
-The model runner is injected (anything with ``execute(sched, block_tables)`` and
+The model runner is injected (anything with ``execute(StepInput) -> StepOutput`` and
 ``release(request_id)``), so this module, like the scheduler and the block manager,
-imports no torch and can be driven by a fake runner in tests.
+imports no torch and can be driven by a fake runner in tests. The runner sees only the
+typed step messages of ``step_types``, never a ``Request``.
 """
 from __future__ import annotations
 
@@ -13,14 +14,30 @@ from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.step_types import SequenceSampling, StepInput, StepOutput
 from llmserve.protocol import CompletionOutput, EngineStats, FinishReason
 
 logger = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]): ...
+    def execute(self, step: StepInput) -> StepOutput: ...
     def release(self, request_id: str) -> None: ...
+
+
+def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
+    """The scheduler's decision as a torch-free StepInput (O(new tokens + block tables))."""
+    step = StepInput()
+    for s in sched.scheduled:
+        req = s.request
+        end = s.start + s.num_new_tokens
+        sampling = None
+        if s.samples:
+            sampling = SequenceSampling(req.sampling_params, req.prompt_token_ids,
+                                        req.output_token_ids)
+        step.add(req.request_id, req.all_token_ids[s.start:end], s.start,
+                 kv.blocks_of(req.request_id), 1 if s.samples else 0, sampling)
+    return step
 
 
 class SequenceUpdate:
@@ -93,9 +110,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
-                  for s in sched.scheduled}
-        result = self.runner.execute(sched, tables)
+        result = self.runner.execute(build_step_input(sched, self.kv))
         self.scheduler.on_step_done(sched)
         updates = []
         requests = self.scheduler.requests
@@ -105,28 +120,37 @@ class EngineCore:
             req = requests.get(rid)
             if req is None:
                 continue
-            token = result.token_ids[i]
+            upd = self._append_tokens(req, result.token_ids[i], lps[i] if lps else None,
+                                      tops[i] if tops else None)
+            if upd is not None:
+                updates.append(upd)
+        if self.check_invariants_each_step:
+            self.kv.check_invariants()
+        return updates
+
+    def _append_tokens(self, req: Request, tokens: list[int], lps: Optional[list[float]],
+                       tops: Optional[list]) -> Optional[SequenceUpdate]:
+        """Append a sequence's accepted tokens in order; stop checks apply to each, and
+        tokens after a stop are discarded."""
+        delta = None
+        for j, token in enumerate(tokens):
             req.append_token(token)
             self.generation_tokens_total += 1
             if req.num_output_tokens == 1 and req.index == 0:
                 self.prompt_tokens_total += req.num_prompt_tokens
             try:
-                delta, finish, stop_reason = self.outputs.process_token(
-                    req, token, lps[i] if lps else None, tops[i] if tops else None)
+                step_delta, finish, stop_reason = self.outputs.process_token(
+                    req, token, lps[j] if lps else None, tops[j] if tops else None)
             except Exception:  # noqa: BLE001 - one bad sequence must not stop the others
-                logger.exception("output processing failed for %s; aborting it", rid)
-                upd = self.abort_request(rid, FinishReason.ABORT.value)
-                if upd is not None:
-                    updates.append(upd)
-                continue
+                logger.exception("output processing failed for %s; aborting it", req.request_id)
+                return self.abort_request(req.request_id, FinishReason.ABORT.value)
+            delta = step_delta if delta is None else delta.merge(step_delta)
             if finish is not None:
                 self.scheduler.finish_request(req, finish, stop_reason)
-                self.runner.release(rid)
-                self.outputs.release(rid)
-            updates.append(SequenceUpdate(req, delta))
-        if self.check_invariants_each_step:
-            self.kv.check_invariants()
-        return updates
+                self.runner.release(req.request_id)
+                self.outputs.release(req.request_id)
+                break
+        return None if delta is None else SequenceUpdate(req, delta)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

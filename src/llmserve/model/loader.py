@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -299,6 +299,64 @@ def fingerprint_files(paths: Iterable[str], extra: str = "") -> str:
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+@dataclass
+class CheckpointSource:
+    """An opened checkpoint whose tensors are read one at a time (no full copy in memory)."""
+
+    config: ModelConfig
+    weights_fingerprint: str
+    generation_config: dict
+    path: str
+    _tensors: Callable[[], Iterable[tuple[str, Any]]]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` in the checkpoint's dtype (GGUF: dequantized float32),
+        checking names and shapes; raises ValueError for a missing or unexpected tensor."""
+        expected = expected_weight_shapes(self.config)
+        seen: set[str] = set()
+        unexpected = []
+        for name, value in self._tensors():
+            if name.endswith(_IGNORED_SUFFIXES) or (
+                    name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {expected[name]} from the config")
+            seen.add(name)
+            yield name, tensor
+        if unexpected:
+            raise ValueError(f"{self.path}: unexpected tensors {unexpected[:5]} (total "
+                             f"{len(unexpected)}) for {self.config.architecture}")
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            raise ValueError(f"{self.path}: missing tensors {missing[:5]} (total {len(missing)})")
+
+
+def open_checkpoint(path: str) -> CheckpointSource:
+    """Read an HF folder's or GGUF file's config and fingerprint; tensors stream on demand."""
+    if _is_gguf(path):
+        gguf_file = read_gguf(path)
+        config = gguf_model_config(gguf_file)
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+        files = [gguf_file.path]
+        tensors = lambda: iter_gguf_weights(gguf_file, config)  # noqa: E731
+    elif os.path.isdir(path):
+        config = hf_model_config(path)
+        st_files = _safetensors_files(path)
+        gen_path = os.path.join(path, "generation_config.json")
+        generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+        files = [os.path.join(path, "config.json")] + st_files
+        tensors = lambda: _iter_safetensors(st_files)  # noqa: E731
+    else:
+        raise FileNotFoundError(f"model path {path!r} is neither an HF model folder nor a .gguf file")
+    fingerprint = fingerprint_files(files, extra=f"quantization={config.quantization}\n")
+    return CheckpointSource(config, fingerprint, generation, os.path.abspath(path), tensors)
 
 
 def load_checkpoint(path: str, dtype: Union[torch.dtype, str] = torch.float32) -> LoadedCheckpoint:

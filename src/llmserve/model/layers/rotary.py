@@ -1,9 +1,7 @@
 """Rotary position embeddings, including Llama-3 frequency scaling.
 
-The model keeps Q/K head dims in the *interleaved* pair layout (dims 2i, 2i+1 form one
-rotating pair), so rotation is one complex multiply. Checkpoints in Hugging Face's
-half-split layout are permuted at load (`to_interleaved_rows`); attention scores are
-unchanged because Q and K are permuted alike.
+Q/K stay in Hugging Face's half-split layout (GGUF files are un-permuted to it at load), so
+checkpoints load without any row permutation.
 """
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import math
 from typing import Optional
 
 import torch
+from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -39,40 +38,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-class RotaryEmbedding:
-    """Precomputed unit complex rotations for every position up to ``max_positions``."""
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k in Hugging Face's half-split layout with a precomputed cos/sin table.
+
+    Per head, dims ``[0, d/2)`` and ``[d/2, d)`` form the rotating pairs ``(x_i, y_i)``::
+
+        x' = x cos(p w_i) - y sin(p w_i)        y' = y cos(p w_i) + x sin(p w_i)
+
+    The table is ``(max_positions, head_dim)`` float32: cos in the first half, sin in the
+    second; one row lookup per token, real arithmetic only (compile-friendly).
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict], device: torch.device) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         pos = torch.arange(max_positions, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)
-        self.cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
+        table = torch.cat([angles.cos(), angles.sin()], -1).to(torch.float32)
+        self.register_buffer("cos_sin", table.to(device), persistent=False)
+        self.half = head_dim // 2
 
-    def for_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """(T, 1, head_dim/2) complex rotations, broadcast over heads."""
-        return self.cis.index_select(0, positions).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-    """Rotate (T, heads, head_dim) in interleaved-pair layout by (T, 1, head_dim/2) rotations."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * cis).flatten(-2).to(x.dtype)
-
-
-def to_interleaved_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Permute the output rows of a Q/K projection from half-split to interleaved pairs.
-
-    Within each head, HF order is [x0..x_{d/2-1}, y0..y_{d/2-1}] (pair i = (x_i, y_i));
-    the interleaved order is [x0, y0, x1, y1, ...]. Works for weights and biases.
-    """
-    rows = weight.shape[0]
-    head_dim = rows // num_heads
-    rest = weight.shape[1:]
-    w = weight.reshape(num_heads, 2, head_dim // 2, *rest)
-    return w.transpose(1, 2).reshape(rows, *rest).contiguous()
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q (T, Hq, D)``, ``k (T, Hkv, D)`` rotated to their positions ``(T,)``."""
+        cs = self.cos_sin.index_select(0, positions).unsqueeze(1)      # (T, 1, D)
+        cos, sin = cs[..., :self.half], cs[..., self.half:]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def interleave_norm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The same permutation for a per-head (head_dim,) norm weight (Qwen3 q/k norm)."""
-    return to_interleaved_rows(weight, 1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)

@@ -1,0 +1,111 @@
+"""Typed, torch-free messages between the engine core and a model runner.
+
+Every step the core turns the scheduler's decision into one :class:`StepInput`; the runner
+answers with one :class:`StepOutput`. The runner never sees a ``Request``: everything it
+needs is in these plain lists, so the fake runner of the engine tests, the real runner and
+(later) tensor-parallel workers all speak the same types.
+
+Layout of one step (sequences in the order the core lists them)::
+
+    seq:          0        1            2
+    token_ids:  [ t  |  t t t t  |  t t ]          flat, num_new_tokens[i] per sequence
+    start:        17      0            40          tokens already in the KV cache
+    context:      18      4            42          start + num_new_tokens
+    num_samples:  1       0            1           0: a prefill chunk that ends mid-prompt
+    block_tables: [..]    [..]         [..]        physical KV blocks covering `context`
+
+A sequence with ``num_samples = k`` (k >= 1) samples from its last ``k`` positions: 1 for a
+normal decode or the end of a prefill, k + 1 when k speculative draft tokens are verified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceSampling:
+    """What the sampler needs about one sampling sequence (no tensors, no Request)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]      # shared with the engine, never copied per step
+    output_token_ids: Sequence[int]
+
+
+@dataclass
+class StepInput:
+    """One forward pass: new tokens of every scheduled sequence plus how to sample them."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_samples: list[int] = field(default_factory=list)
+    sampling: list[Optional[SequenceSampling]] = field(default_factory=list)  # None: no sample
+    finished_request_ids: list[str] = field(default_factory=list)  # state the runner may drop
+
+    def add(self, request_id: str, token_ids: Sequence[int], start: int, block_table: list[int],
+            num_samples: int, sampling: Optional[SequenceSampling]) -> None:
+        """Append one sequence; ``token_ids`` are its new tokens for this step."""
+        if not token_ids:
+            raise ValueError(f"sequence {request_id!r} has no new tokens")
+        if num_samples < 0 or num_samples > len(token_ids):
+            raise ValueError(f"num_samples {num_samples} out of range for {len(token_ids)} tokens")
+        if (num_samples > 0) != (sampling is not None):
+            raise ValueError("a sampling sequence needs its SequenceSampling, and only it")
+        self.request_ids.append(request_id)
+        self.token_ids.extend(token_ids)
+        self.num_new_tokens.append(len(token_ids))
+        self.start_positions.append(start)
+        self.block_tables.append(block_table)
+        self.num_samples.append(num_samples)
+        self.sampling.append(sampling)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [s + n for s, n in zip(self.start_positions, self.num_new_tokens)]
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes exactly one token (the compiled fast path)."""
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def subset(self, indices: Sequence[int]) -> "StepInput":
+        """The same step restricted to some sequences (used to isolate a failing one)."""
+        out = StepInput(finished_request_ids=list(self.finished_request_ids))
+        offsets = [0]
+        for n in self.num_new_tokens:
+            offsets.append(offsets[-1] + n)
+        for i in indices:
+            out.add(self.request_ids[i], self.token_ids[offsets[i]:offsets[i + 1]],
+                    self.start_positions[i], self.block_tables[i], self.num_samples[i],
+                    self.sampling[i])
+        return out
+
+
+@dataclass
+class StepOutput:
+    """Sampled tokens of the sampling sequences, in StepInput order.
+
+    ``token_ids[i]`` lists the tokens accepted for ``request_ids[i]`` (one without
+    speculation); ``logprobs[i][j]`` / ``top_logprobs[i][j]`` go with ``token_ids[i][j]``.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: Optional[list[list[float]]] = None
+    top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
+    # tests only (runner capture switches): tensors, typed loosely to keep this module torch-free
+    logits: object = None
+    all_logits: Optional[dict] = None

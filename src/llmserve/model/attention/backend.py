@@ -1,0 +1,137 @@
+"""The attention backend interface: metadata built once per step, forward once per layer.
+
+The runner lays a step's tokens out decodes first, then prefill chunks::
+
+    tokens:  [d0 d1 ... d_{Bd-1} | p0 p0 p0 p0 | p1 p1 | ... ]
+              one query each       chunk of seq Bd, of seq Bd+1 ...
+
+and hands the backend a :class:`StepBatch` (index tensors on the device plus their host
+copies). ``build_metadata`` turns it into whatever the backend's kernels index with, once for
+all layers; ``forward`` writes the new K/V through ``slot_mapping`` and attends. A decode-only
+step may instead come through ``decode_metadata`` (pure tensor ops, traced into the compiled
+step). Backends: ``reference`` (gather + SDPA, the yardstick) and ``paged`` (decodes read the
+paged cache in place when compiled).
+
+KV cache per layer: ``(num_slots, kv_heads, head_dim)``, slot = block * block_size + offset.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """Index tensors of one step (device) and the host lists they came from."""
+
+    slot_mapping: torch.Tensor      # (T,) long
+    block_tables: torch.Tensor      # (B, W) long, padded with a scratch block
+    context_lens: torch.Tensor      # (B,) long: cached + new tokens
+    num_decodes: int                # sequences [0, num_decodes) compute one token each
+    query_lens: list[int]           # host: new tokens per sequence
+    context_lens_host: list[int]
+    table_widths: list[int]         # host: blocks each sequence really uses
+
+
+@dataclass
+class GroupMetadata:
+    """One run of sequences attended by a single SDPA call (reference layout).
+
+    Sequences are grouped by block-table width (and chunk length) in powers of two, so
+    padding stays under 2x whatever mix of long and short contexts a step holds.
+    """
+
+    token_start: int               # the group's first row in the flat token batch
+    num_tokens: int                # its rows (decode: one per sequence)
+    block_ids: torch.Tensor        # (B, W) long
+    mask: torch.Tensor             # (B, 1, Q, W * block_size) bool
+    query_index: Optional[torch.Tensor] = None   # prefill: (B*Qmax,) row of each padded query
+    output_index: Optional[torch.Tensor] = None  # prefill: (N,) padded row of each real query
+    max_query: int = 1
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_index is None
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs for one step."""
+
+    slot_mapping: torch.Tensor
+    block_size: int
+    groups: list[GroupMetadata] = field(default_factory=list)
+    # decode rows handled as one batch (paged backend; also the compiled decode step)
+    num_decodes: int = 0
+    decode_block_tables: Optional[torch.Tensor] = None   # (Bd, W)
+    decode_valid: Optional[torch.Tensor] = None          # (Bd, W * block_size) bool
+    decode_slots: Optional[torch.Tensor] = None          # (Bd, W * block_size) long: cache rows
+
+
+class AttentionBackend(ABC):
+    """Computes attention for all layers of a step over the paged KV cache."""
+
+    name = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+
+    @abstractmethod
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        """Index tensors for one step (any mix of decodes and prefill chunks)."""
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a decode-only step from tensors alone (traceable by torch.compile)."""
+        bs = self.block_size
+        b, w = block_tables.shape
+        keys = torch.arange(w * bs, device=block_tables.device)
+        valid = keys.unsqueeze(0) < context_lens.unsqueeze(1)
+        slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
+        return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decodes=b,
+                                 decode_block_tables=block_tables, decode_valid=valid,
+                                 decode_slots=slots)
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """``q (T, H, D)``, new ``k``/``v (T, Hkv, D)`` -> attention output ``(T, H * D)``."""
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots (cast to the cache dtype)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """(B, W) block tables -> (B, kv_heads, W * block_size, head_dim) keys or values.
+
+    One ``index_select`` of whole blocks (contiguous rows of block_size * kv_heads * head_dim
+    elements), which streams at memory speed.
+    """
+    b, w = block_ids.shape
+    _, hkv, d = cache.shape
+    rows = cache.view(-1, block_size * hkv * d).index_select(0, block_ids.flatten())
+    return rows.view(b, w * block_size, hkv, d).transpose(1, 2).to(dtype)
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> AttentionBackend:
+    """The backend called ``name`` (``reference`` | ``paged``)."""
+    from llmserve.model.attention.paged import PagedBackend
+    from llmserve.model.attention.reference import ReferenceBackend
+
+    backends = {"reference": ReferenceBackend, "paged": PagedBackend}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; use one of {sorted(backends)}")
+    return backends[name](num_heads, num_kv_heads, head_dim, block_size)

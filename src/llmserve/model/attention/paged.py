@@ -1,0 +1,83 @@
+"""The paged backend: decodes read the paged KV cache in place.
+
+All decode rows of a step form one batch over the widest block table among them. Inside the
+compiled step the scores and the weighted sum are written as reductions that index the cache
+through the slot table directly::
+
+    s[b, l, h, g] = sum_d q[b, h, g, d] * K[slot[b, l], h, d]      (l < ctx[b], else -inf)
+    o[b, h, g, d] = sum_l softmax_l(s)[b, l, h, g] * V[slot[b, l], h, d]
+
+so inductor emits loops that load K and V rows where they live: no per-layer copy of any
+sequence's context. Run eagerly, the same formulation would materialise a G-times larger
+product, so eager steps gather the blocks (one contiguous copy) and call SDPA. Prefill chunks
+use the reference backend's grouped gather + SDPA.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmserve.model.attention.backend import AttentionMetadata, StepBatch, write_kv
+from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
+
+
+def paged_decode_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q (B, H, D)`` against each sequence's cached rows ``slots (B, L)`` -> ``(B, H * D)``."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[1]
+    g = h // hkv
+    length = slots.shape[1]
+    qf = q.view(b, 1, hkv, g, d).float()
+    keys = k_cache[slots].float().unsqueeze(3)                  # (B, L, Hkv, 1, D), fused load
+    scores = (qf * keys).sum(-1) * scale                        # (B, L, Hkv, G)
+    scores = scores.masked_fill(~valid.view(b, length, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    values = v_cache[slots].float().unsqueeze(3)                # (B, L, Hkv, 1, D)
+    out = (probs.unsqueeze(-1) * values).sum(1)                 # (B, Hkv, G, D)
+    return out.reshape(b, h * d).to(q.dtype)
+
+
+class PagedBackend(ReferenceBackend):
+    """In-place paged decodes (compiled), grouped gather + SDPA for prefill chunks."""
+
+    name = "paged"
+
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        nd = batch.num_decodes
+        bt, ctx = batch.block_tables, batch.context_lens
+        if nd == len(batch.query_lens):
+            w = max(batch.table_widths)
+            return self.decode_metadata(batch.slot_mapping, bt[:, :w], ctx)
+        meta = super().build_metadata(StepBatch(
+            slot_mapping=batch.slot_mapping, block_tables=bt[nd:], context_lens=ctx[nd:],
+            num_decodes=0, query_lens=batch.query_lens[nd:],
+            context_lens_host=batch.context_lens_host[nd:],
+            table_widths=batch.table_widths[nd:]))
+        for g in meta.groups:
+            g.token_start += nd
+        if nd:
+            w = max(batch.table_widths[:nd])
+            dec = self.decode_metadata(batch.slot_mapping, bt[:nd, :w], ctx[:nd])
+            meta.num_decodes = nd
+            meta.decode_block_tables = dec.decode_block_tables
+            meta.decode_valid = dec.decode_valid
+            meta.decode_slots = dec.decode_slots
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        outs = []
+        nd = meta.num_decodes
+        if nd:
+            qd = q[:nd]
+            if torch.compiler.is_compiling():
+                outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
+                                                 meta.decode_valid, scale))
+            else:
+                outs.append(decode_group_attention(qd, k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_valid, meta.block_size, scale))
+        if meta.groups:
+            outs.extend(self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -1,0 +1,127 @@
+"""The reference backend: gather each sequence's K/V blocks, then one SDPA call per group.
+
+Decodes and prefill chunks are split into groups of similar block-table width (powers of
+two; chunks also by length), so one long context does not pad every short one::
+
+    decode group : q (Bd, Hkv, G, D) vs keys (Bd, Hkv, L, D), mask key < ctx_len
+    prefill group: q padded to (Bp, H, Qmax, D) vs keys (Bp, Hkv, L, D),
+                   mask key <= query position (causal over cached + new tokens)
+
+It copies every sequence's whole context per layer; it is the yardstick the other backends
+are tested against, and the fallback for any step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.model.attention.backend import (
+    AttentionBackend, AttentionMetadata, GroupMetadata, StepBatch, gather_blocks, write_kv,
+)
+
+
+def group_key(query_len: int, table_width: int) -> tuple[int, int]:
+    """(0 for a decode or log2 of the chunk length, log2 of the block-table width)."""
+    kind = 0 if query_len == 1 else max(1, (query_len - 1).bit_length())
+    return kind, (max(1, table_width) - 1).bit_length()
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_ids: torch.Tensor, valid: torch.Tensor, block_size: int,
+                           scale: float) -> torch.Tensor:
+    """One query per sequence: the G query heads sharing a KV head act as G queries of it."""
+    b, _ = block_ids.shape
+    h, d = qg.shape[1], qg.shape[2]
+    keys = gather_blocks(k_cache, block_ids, block_size, qg.dtype)      # (B, Hkv, L, D)
+    values = gather_blocks(v_cache, block_ids, block_size, qg.dtype)
+    hkv = keys.shape[1]
+    o = attend(qg.view(b, hkv, h // hkv, d), keys, values, valid.view(b, 1, 1, -1), scale)
+    return o.reshape(b, h * d)
+
+
+class ReferenceBackend(AttentionBackend):
+    """Gather + SDPA for every group; correct for any step, copies the context per layer."""
+
+    name = "reference"
+
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        bs = self.block_size
+        bt = batch.block_tables
+        dev = bt.device
+        keys = [group_key(q, w) for q, w in zip(batch.query_lens, batch.table_widths)]
+        groups = []
+        i = token = 0
+        n = len(keys)
+        while i < n:
+            j = i + 1
+            while j < n and keys[j] == keys[i]:
+                j += 1
+            w = max(batch.table_widths[i:j])
+            qlens = batch.query_lens[i:j]
+            n_tok = sum(qlens)
+            ctx = batch.context_lens[i:j]
+            key_pos = torch.arange(w * bs, device=dev)
+            if keys[i][0] == 0:
+                mask = (key_pos.unsqueeze(0) < ctx.unsqueeze(1)).view(j - i, 1, 1, -1)
+                groups.append(GroupMetadata(token, n_tok, bt[i:j, :w], mask))
+            else:
+                groups.append(self._prefill_group(bt[i:j, :w], qlens, ctx, token, n_tok, key_pos))
+            token += n_tok
+            i = j
+        return AttentionMetadata(slot_mapping=batch.slot_mapping, block_size=bs, groups=groups)
+
+    @staticmethod
+    def _prefill_group(block_ids: torch.Tensor, qlens: list[int], ctx: torch.Tensor,
+                       token_start: int, num_tokens: int, key_pos: torch.Tensor) -> GroupMetadata:
+        dev = block_ids.device
+        n = torch.tensor(qlens, device=dev)
+        start = ctx - n
+        qmax = max(qlens)
+        qi = torch.arange(qmax, device=dev).unsqueeze(0)            # (1, Qmax)
+        valid = qi < n.unsqueeze(1)                                 # (B, Qmax)
+        offsets = torch.cumsum(n, 0) - n
+        query_index = torch.where(valid, offsets.unsqueeze(1) + qi, 0).flatten()
+        b = torch.arange(len(qlens), device=dev).unsqueeze(1)
+        output_index = (b * qmax + qi)[valid]
+        qpos = torch.where(valid, start.unsqueeze(1) + qi, 0)       # padded queries see key 0
+        mask = (key_pos.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+        return GroupMetadata(token_start, num_tokens, block_ids, mask, query_index=query_index,
+                             output_index=output_index, max_query=qmax)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not meta.groups:   # decode-only metadata (compiled step)
+            return decode_group_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_valid, meta.block_size, scale)
+        outs = self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def group_outputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float,
+                      groups: list[GroupMetadata]) -> list[torch.Tensor]:
+        """Attention output rows of each group, in order."""
+        T, H, D = q.shape
+        bs = meta.block_size
+        outs = []
+        for g in groups:
+            qg = q[g.token_start:g.token_start + g.num_tokens]
+            b = g.block_ids.shape[0]
+            if g.is_decode:
+                outs.append(decode_group_attention(qg, k_cache, v_cache, g.block_ids,
+                                                   g.mask.view(b, -1), bs, scale))
+                continue
+            keys = gather_blocks(k_cache, g.block_ids, bs, q.dtype)
+            values = gather_blocks(v_cache, g.block_ids, bs, q.dtype)
+            qp = qg.index_select(0, g.query_index).view(b, g.max_query, H, D).transpose(1, 2)
+            o = attend(qp, keys, values, g.mask, scale)              # (B, H, Qmax, D)
+            o = o.transpose(1, 2).reshape(b * g.max_query, H * D)
+            outs.append(o.index_select(0, g.output_index))
+        return outs

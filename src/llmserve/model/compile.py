@@ -1,0 +1,132 @@
+"""The compiled decode step: one ``torch.compile`` graph for every decode-only step.
+
+A decode-only step (every sequence computes one token) runs embedding -> layers -> norm ->
+LM head as a single inductor graph, so the ~25 ops of each of the model's layers cost no
+Python or dispatcher time and the elementwise ones fuse. Shapes::
+
+    batch   B  padded to a bucket (2, 4, 8, ... up to max_num_seqs): padded rows write only
+               the KV pool's scratch block
+    width   W  block-table width, a dynamic dimension (no recompilation as contexts grow)
+
+Batch and width are marked dynamic, so one graph serves all buckets; the warm-up runs each
+bucket once. Inductor's caches live under ``~/.cache/llmserve/inductor`` (override with
+``LLMSERVE_COMPILE_CACHE``), so a restart reuses the compiled code. If compilation fails, the
+step falls back to eager with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from llmserve.model.attention.backend import AttentionBackend
+from llmserve.model.input_buffers import InputBuffers, StagedStep
+
+logger = logging.getLogger(__name__)
+
+_MIN_BUCKET = 2   # batch 1 is padded to 2: a size-1 dimension would be specialised
+
+
+def compile_cache_dir() -> str:
+    return os.environ.get("LLMSERVE_COMPILE_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor"))
+
+
+def _configure_caches() -> None:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    try:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.enable_autograd_cache = True
+    except (ImportError, AttributeError):
+        pass
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two from 2 up to the first one >= max_num_seqs."""
+    out = [_MIN_BUCKET]
+    while out[-1] < max_num_seqs:
+        out.append(out[-1] * 2)
+    return out
+
+
+class CompiledDecodeStep:
+    """Runs decode-only steps through one compiled graph (eager fallback on failure)."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+                 max_num_seqs: int, device: torch.device) -> None:
+        _configure_caches()
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.device = device
+        self.block_size = backend.block_size
+        self.buckets = [b for b in batch_buckets(max_num_seqs) if b <= buffers.max_seqs] or \
+            [buffers.max_seqs]
+        self.failed = False
+        self._compiled = torch.compile(self._forward, fullgraph=True)
+        self._warm: set[int] = set()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        b = input_ids.shape[0]
+        rows = torch.arange(b, device=input_ids.device)
+        bs = self.block_size
+        slots = block_tables[rows, positions // bs] * bs + positions % bs
+        meta = self.backend.decode_metadata(slots, block_tables, context_lens)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    def bucket_for(self, num_seqs: int) -> Optional[int]:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def accepts(self, num_seqs: int) -> bool:
+        return not self.failed and self.bucket_for(num_seqs) is not None
+
+    def __call__(self, staged: StagedStep) -> torch.Tensor:
+        """Logits ``(B_padded, vocab)`` for a staged decode-only step (rows in runner order)."""
+        args = (staged.input_ids, staged.positions, staged.block_tables, staged.context_lens)
+        for t in args:
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(staged.block_tables, 1)
+        try:
+            return self._compiled(*args, self.kv_caches)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
+            if self.failed:
+                raise
+            self.failed = True
+            logger.warning("compiling the decode step failed (%s: %s); running eagerly",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return self._forward(*args, self.kv_caches)
+
+    def warmup(self) -> None:
+        """Run every bucket once on dummy rows (they touch only the scratch block)."""
+        from llmserve.engine.step_types import StepInput
+
+        t0 = time.time()
+        for i, b in enumerate(self.buckets):
+            if self.failed:
+                break
+            step = StepInput()
+            scratch = self.buffers.scratch_block
+            for r in range(b):
+                step.add(f"warmup{r}", [0], 0, [scratch], 0, None)
+            staged = self.buffers.stage(step, list(range(b)), self.block_size, pad_to=b)
+            t = time.time()
+            with torch.inference_mode():
+                self(staged)
+            logger.info("compiled decode step: bucket %d/%d (batch %d) in %.1fs",
+                        i + 1, len(self.buckets), b, time.time() - t)
+        logger.info("decode step compiled for batches %s in %.1fs", self.buckets, time.time() - t0)

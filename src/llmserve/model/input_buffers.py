@@ -1,0 +1,117 @@
+"""Preallocated step inputs: host buffers filled in place, one host-to-device copy per step.
+
+Every index array of a step lives in one int64 staging buffer::
+
+    [ input_ids (T) | positions (T) | slot_mapping (T) | context_lens (B) | block_tables (B*W) ]
+
+filled with numpy from the StepInput (O(tokens + B*W), no per-step allocation), then copied
+to the device in one transfer (pinned memory on CUDA; on CPU the tensors are views of the
+buffer, valid until the next step). Rows can be padded for the compiled step: padded
+sequences read and write only the KV pool's scratch block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from llmserve.engine.step_types import StepInput
+
+
+@dataclass
+class StagedStep:
+    """One step's inputs on the device, in runner order, plus the host facts about them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor          # (B_padded, W)
+    num_seqs: int                       # real sequences (rows past it are padding)
+    num_decodes: int
+    query_lens: list[int]
+    context_lens_host: list[int]
+    table_widths: list[int]
+    row_starts: list[int]               # first token row of each sequence (runner order)
+
+
+class InputBuffers:
+    """Host staging for up to ``max_tokens`` tokens and ``max_seqs`` sequences."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
+                 scratch_block: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.max_blocks = max(2, max_blocks_per_seq)
+        self.scratch_block = scratch_block
+        self.device = device
+        size = 3 * max_tokens + max_seqs + max_seqs * self.max_blocks
+        self._host = torch.zeros(size, dtype=torch.int64,
+                                 pin_memory=device.type == "cuda")
+        self._np = self._host.numpy()
+        self._arange = np.arange(max(max_tokens, self.max_blocks), dtype=np.int64)
+
+    def stage(self, step: StepInput, order: list[int], block_size: int,
+              pad_to: Optional[int] = None) -> StagedStep:
+        """Fill the buffers with ``step``'s sequences in ``order`` (padded to ``pad_to`` rows)."""
+        b = len(order)
+        rows = pad_to or b
+        qlens = [step.num_new_tokens[i] for i in order]
+        starts = [step.start_positions[i] for i in order]
+        t = sum(qlens) + (rows - b)
+        if t > self.max_tokens or rows > self.max_seqs:
+            raise ValueError(f"step of {t} tokens / {rows} sequences exceeds the buffers "
+                             f"({self.max_tokens} / {self.max_seqs})")
+        ctx = [s + n for s, n in zip(starts, qlens)]
+        widths = [-(-c // block_size) for c in ctx]
+        w = max(2, max(widths))
+        if w > self.max_blocks:
+            raise ValueError(f"a context of {max(ctx)} tokens exceeds the buffers")
+        buf = self._np
+        o_ids, o_pos, o_slot, o_ctx = 0, t, 2 * t, 3 * t
+        o_bt = o_ctx + rows
+        end = o_bt + rows * w
+        ids = buf[o_ids:o_pos]
+        offsets = np.zeros(len(step.num_new_tokens) + 1, dtype=np.int64)
+        np.cumsum(step.num_new_tokens, out=offsets[1:])
+        src = np.asarray(step.token_ids, dtype=np.int64)
+        decode_only = t == rows and all(n == 1 for n in qlens)
+        if decode_only:
+            ids[:b] = src[np.asarray(order, dtype=np.int64)] if b else 0
+        else:
+            pos_in = 0
+            for i, n in zip(order, qlens):
+                ids[pos_in:pos_in + n] = src[offsets[i]:offsets[i] + n]
+                pos_in += n
+        ids[t - (rows - b):] = 0
+        row_starts = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(qlens + [1] * (rows - b), out=row_starts[1:])
+        starts_np = np.asarray(starts + [0] * (rows - b), dtype=np.int64)
+        lens_np = np.diff(row_starts)
+        pos = buf[o_pos:o_slot]
+        pos[:] = np.repeat(starts_np - row_starts[:-1], lens_np) + self._arange[:t]
+        bt = buf[o_bt:end].reshape(rows, w)
+        bt.fill(self.scratch_block)
+        for p, i in enumerate(order):
+            table = step.block_tables[i]
+            bt[p, :len(table)] = table
+        buf[o_ctx:o_ctx + b] = ctx
+        buf[o_ctx + b:o_bt] = 1
+        seq_of_token = np.repeat(self._arange[:rows], lens_np)
+        buf[o_slot:o_ctx] = (bt[seq_of_token, pos // block_size] * block_size + pos % block_size)
+        dev = self._host[:end].to(self.device, non_blocking=True) \
+            if self.device.type != "cpu" else self._host[:end]
+        num_decodes = 0
+        for n in qlens:
+            if n != 1:
+                break
+            num_decodes += 1
+        return StagedStep(
+            input_ids=dev[o_ids:o_pos], positions=dev[o_pos:o_slot],
+            slot_mapping=dev[o_slot:o_ctx], context_lens=dev[o_ctx:o_bt],
+            block_tables=dev[o_bt:end].view(rows, w), num_seqs=b,
+            num_decodes=num_decodes + (rows - b), query_lens=qlens + [1] * (rows - b),
+            context_lens_host=ctx + [1] * (rows - b),
+            table_widths=widths + [1] * (rows - b), row_starts=row_starts[:-1].tolist())

@@ -1,0 +1,75 @@
+"""The paged KV pool: one K and one V tensor per layer, sized from the engine config.
+
+Layout per layer: ``(num_slots, kv_heads, head_dim)`` with ``slot = block * block_size +
+offset``. One extra *scratch* block after the usable ones absorbs the writes of padded rows
+(compiled steps pad the batch) and pads block tables; the block manager never hands it out::
+
+    blocks: [ 0 | 1 | ... | num_blocks - 1 | scratch ]
+
+On CPU the pool is allocated zeroed but uncommitted (calloc: pages become resident only when
+a block is first written), so a pool sized for ``max_num_seqs x max_model_len`` costs memory
+only for the tokens actually held.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.platform import available_memory_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, one block: 2 * layers * block_size * kv_heads * head_dim * bytes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def plan_num_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype,
+                    device: torch.device, max_model_len: int) -> int:
+    """Blocks for the pool: explicit ``num_kv_blocks`` / ``kv_cache_gib``, else enough for
+    ``max_num_seqs`` full contexts, capped by ``kv_cache_fraction`` of free memory."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
+    cap = available_memory_bytes(device) * config.kv_cache_fraction
+    if config.kv_cache_gib is not None:
+        budget = config.kv_cache_gib * 2**30
+    else:
+        blocks_per_seq = -(-max_model_len // config.block_size)
+        budget = min(cap, config.max_num_seqs * blocks_per_seq * per_block)
+    n = int(budget // per_block)
+    if n < 1:
+        raise ValueError(f"KV budget of {budget / 2**30:.3f} GiB is smaller than one block "
+                         f"({per_block} bytes)")
+    return n
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))   # calloc: lazily committed
+    return raw.view(dtype).view(shape)
+
+
+class KVCachePool:
+    """Per-layer K/V tensors for ``num_blocks`` usable blocks plus the scratch block."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
+        shape = (slots, model.num_key_value_heads, model.head_dim)
+        self.caches = [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
+                       for _ in range(model.num_hidden_layers)]
+        self.bytes_per_token = kv_bytes_per_block(model, 1, dtype)
+        self.pool_bytes = num_blocks * kv_bytes_per_block(model, block_size, dtype)
