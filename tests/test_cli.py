@@ -23,7 +23,7 @@ def test_generate_streams_completion(tmp_path):
 
 @pytest.mark.slow
 def test_generate_chat_default_model():
-    r = run("generate", "--chat", "--max-tokens", "24", "--num-kv-blocks", "64",
+    r = run("generate", "--chat", "--max-tokens", "24", "--num-kv-blocks", "64", "--dtype", "float32",
             "What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout

@@ -16,10 +16,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX512_BF16/AMX), "
+                        "else float32")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache dtype, independent of the weights (auto: same as --dtype)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-gib", type=float, default=None)
+    g.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool size (default: max-num-seqs x max-model-len tokens, capped by "
+                        "--kv-cache-fraction of free memory; committed only as used on CPU)")
+    g.add_argument("--kv-cache-fraction", type=float, default=0.5)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -29,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aging-rate", type=float, default=0.1)
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--engine-seed", dest="seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never compile the decode step (default: compile at start-up)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"])
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -39,6 +50,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         aging_rate=args.aging_rate, num_threads=args.num_threads, seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_fraction=args.kv_cache_fraction,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
     )
 
 

@@ -28,7 +28,8 @@ def base_url(tmp_path_factory):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(port),
-         "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "2"],
+         "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "2",
+         "--dtype", "float32"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
