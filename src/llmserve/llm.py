@@ -134,5 +134,7 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> None:
             c.finish_reason = d.finish_reason
             c.stop_reason = d.stop_reason
     acc.finished = delta.finished
+    if delta.error is not None:
+        acc.error = delta.error
     acc.num_cached_tokens = delta.num_cached_tokens
     acc.metrics = delta.metrics

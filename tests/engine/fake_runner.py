@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -17,13 +18,21 @@ class FakeRunnerOutput:
 class FakeRunner:
     """Emits token (sum of the sequence's tokens) % vocab, so outputs depend on the whole prefix."""
 
-    def __init__(self, vocab: int = 1000, eos: int | None = None) -> None:
+    def __init__(self, vocab: int = 1000, eos: int | None = None,
+                 fail_if: Optional[Callable[[ScheduledRequest], Optional[Exception]]] = None
+                 ) -> None:
         self.vocab = vocab
         self.steps: list[SchedulerOutput] = []
         self.released: list[str] = []
+        self.fail_if = fail_if   # an item -> the exception a batch holding it raises, or None
 
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]):
         self.steps.append(sched)
+        if self.fail_if is not None:
+            for s in sched.scheduled:
+                exc = self.fail_if(s)
+                if exc is not None:
+                    raise exc
         out = FakeRunnerOutput()
         for s in sched.scheduled:
             table = block_tables[s.request.request_id]
