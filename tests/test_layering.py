@@ -21,6 +21,7 @@ NO_TORCH_MODULES = [
     "llmserve.sampling_params",
     "llmserve.config",
     "llmserve.tokenizer",
+    "llmserve.chat_tokens",
 ]
 
 

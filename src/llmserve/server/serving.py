@@ -118,6 +118,9 @@ class OpenAIServing:
 
     def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]]) -> list[int]:
         tok = engine.tokenizer
+        encode_chat = getattr(tok, "encode_chat", None)
+        if encode_chat is not None:  # message text is never parsed for special tokens
+            return list(encode_chat(messages, add_generation_prompt=True))
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
 
