@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.errors import OpenAIError, install_error_handlers
+from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.gateway_hook import RequestContext, call_hook
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
@@ -36,6 +37,7 @@ def create_app(
     gateway: Any = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     engines: Optional[Mapping[str, Any]] = None,
+    limits: Optional[RequestLimits] = None,
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
 
@@ -48,6 +50,8 @@ def create_app(
         max_body_bytes: largest request body accepted (413 above).
         engines: more served models in the same process, served name -> engine (e.g.
             a fallback model the gateway routes to). ``engine`` stays the default.
+        limits: bounds on the request's inputs (stop strings, messages, prompt bytes
+            ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -56,7 +60,9 @@ def create_app(
     """
     names = list(served_model_names) if served_model_names else [engine.model_name]
     metrics = ServerMetrics(engine, names[0], engine.fingerprint)
-    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines)
+    limits = limits or DEFAULT_LIMITS
+    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
+                            limits=limits)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)
