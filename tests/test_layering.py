@@ -22,6 +22,9 @@ NO_TORCH_MODULES = [
     "llmserve.config",
     "llmserve.tokenizer",
     "llmserve.chat_tokens",
+    "llmserve.server.app",
+    "llmserve.server.limits",
+    "llmserve.server.openapi",
 ]
 
 

@@ -6,6 +6,8 @@ Endpoints:
     GET  /health                                       the process is alive (always 200)
     GET  /ready                                        200 when ``engine.is_ready()``, else 503
     GET  /metrics                                      Prometheus text (docs/METRICS.md)
+    GET  /openapi.json                                 OpenAPI, with the request and response
+                                                       body schemas (server/openapi.py)
 
 Every error body has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -25,6 +27,7 @@ from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.gateway_hook import RequestContext, call_hook
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
+from llmserve.server.openapi import install_openapi
 from llmserve.server.serving import DEFAULT_MAX_BODY_BYTES, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -146,4 +149,8 @@ def create_app(
         body = await asyncio.to_thread(metrics.render)
         return Response(content=body, media_type=CONTENT_TYPE)
 
+    distinct = list({id(e): e for e in all_engines.values()}.values())
+    vocab = [getattr(e.tokenizer, "vocab_size", None) for e in distinct]
+    install_openapi(app, limits, max(e.max_model_len for e in distinct),
+                    max(vocab) if all(isinstance(v, int) for v in vocab) else None)
     return app
