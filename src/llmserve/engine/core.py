@@ -106,7 +106,7 @@ class EngineCore:
         tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
                   for s in sched.scheduled}
         result, failures = self._execute_isolated(sched, tables)
-        updates = self._settle_failures(sched, failures) if failures else []
+        updates = self._settle_failures(failures) if failures else []
         self.scheduler.on_step_done(sched)
         requests = self.scheduler.requests
         lps = result.logprobs
@@ -151,8 +151,7 @@ class EngineCore:
             return execute_isolated(self.runner.execute, sched, tables, exc,
                                     self.kv.block_size)
 
-    def _settle_failures(self, sched: SchedulerOutput,
-                         failures: StepFailures) -> list[SequenceUpdate]:
+    def _settle_failures(self, failures: StepFailures) -> list[SequenceUpdate]:
         """Fail the culprits, requeue what depended on them; drop their blocks' hashes
         (the KV those blocks should hold this step was never written)."""
         self.kv.drop_cached_blocks(failures.written_blocks)

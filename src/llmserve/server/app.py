@@ -23,8 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.errors import OpenAIError, install_error_handlers
-from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.gateway_hook import RequestContext, call_hook
+from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.openapi import install_openapi

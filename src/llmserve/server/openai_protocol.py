@@ -22,12 +22,8 @@ from llmserve.protocol import priority_value
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import OpenAIError, bad_request, validation_error_to_openai, \
     value_error_to_openai
-from llmserve.server.limits import DEFAULT_LIMITS, MAX_CHOICES_PER_REQUEST, RequestLimits, \
-    check_limits
-
-__all__ = ["MAX_CHOICES_PER_REQUEST", "ChatCompletionRequest", "CompletionRequest",
-           "make_sampling_params", "parse_request"]
-
+from llmserve.server.limits import (DEFAULT_LIMITS, MAX_CHOICES_PER_REQUEST, RequestLimits,
+                                    check_limits)
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
