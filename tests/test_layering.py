@@ -15,10 +15,16 @@ NO_TORCH_MODULES = [
     "llmserve.engine.output_processor",
     "llmserve.engine.detokenizer",
     "llmserve.engine.stop_checker",
+    "llmserve.engine.isolation",
+    "llmserve.engine.step_isolation",
     "llmserve.protocol",
     "llmserve.sampling_params",
     "llmserve.config",
     "llmserve.tokenizer",
+    "llmserve.chat_tokens",
+    "llmserve.server.app",
+    "llmserve.server.limits",
+    "llmserve.server.openapi",
 ]
 
 

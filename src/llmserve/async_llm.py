@@ -104,6 +104,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True  # nothing left in the engine to abort
                     raise item
+                if item.error is not None:  # the model step failed on this request alone
+                    finished = item.finished  # otherwise its other completions are aborted
+                    raise item.error
                 item.request_id = request_id
                 yield item
                 if item.finished:
@@ -175,9 +178,12 @@ class AsyncLLM:
                     self._audit_when_idle()
                 if engine.has_unfinished_requests():
                     try:
+                        # a runner failure fails only its culprits (EngineCore isolates
+                        # them: their outputs carry a RequestFailedError for their caller)
                         outs = engine.step()
-                    except Exception as exc:  # noqa: BLE001 - fail this step's requests only
-                        logger.exception("engine step failed; aborting in-flight requests")
+                    except Exception as exc:  # noqa: BLE001 - a bug outside the runner
+                        logger.exception("engine step failed outside the model runner; "
+                                         "aborting in-flight requests")
                         self._fail_all(exc)
                         outs = []
                     for out in outs:

@@ -69,9 +69,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in convs]  # type: ignore[arg-type]
-        prompt_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        # the messages' text is never parsed for special tokens: only the template's are
+        prompt_ids = [self.engine.tokenizer.encode_chat(c, add_generation_prompt=True)
+                      for c in convs]  # type: ignore[arg-type]
         return self.generate(prompt_ids, sampling_params, **kwargs)
 
     def reset_prefix_cache(self, namespace: Optional[str] = None) -> int:
@@ -134,5 +134,7 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> None:
             c.finish_reason = d.finish_reason
             c.stop_reason = d.stop_reason
     acc.finished = delta.finished
+    if delta.error is not None:
+        acc.error = delta.error
     acc.num_cached_tokens = delta.num_cached_tokens
     acc.metrics = delta.metrics

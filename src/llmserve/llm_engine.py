@@ -142,6 +142,7 @@ class LLMEngine:
         """Validate and tokenize (thread-safe, touches no engine state)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
+        params.check_masks(self.vocab_size, self.eos_token_ids)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -219,6 +220,8 @@ class LLMEngine:
             if u.request.index == 0 and u.request.num_cached_tokens > 0:
                 user.num_cached_tokens = u.request.num_cached_tokens
             out.outputs.append(u.delta)
+            if u.error is not None:
+                out.error = u.error
             if u.delta.finish_reason is not None:
                 user.finished_children.add(u.request.request_id)
                 self._child_parent.pop(u.request.request_id, None)

@@ -18,10 +18,29 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"        # cancelled by the caller (client went away)
     TIMEOUT = "timeout"    # the request's deadline passed
     QUEUE_TIMEOUT = "queue_timeout"  # waited in the queue longer than allowed
+    ERROR = "error"        # the model step failed on this request (see RequestFailedError)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not run one request: the model step raised on it alone.
+
+    The rest of the batch was not affected. ``error_id`` names the log record with the
+    traceback; ``input_error`` is True when the failure came from the request's own input
+    (a ValueError or OverflowError raised while preparing or sampling it), so a server
+    answers 4xx rather than 500.
+    """
+
+    def __init__(self, message: str, *, error_id: str, input_error: bool = False) -> None:
+        super().__init__(message)
+        self.error_id = error_id
+        self.input_error = input_error
 
 
 #: Priority classes: a lower number is served first. Integers are accepted too.
 PRIORITY_CLASSES: dict[str, int] = {"interactive": 0, "default": 1, "batch": 2}
+#: Integer priorities must lie in [-PRIORITY_LIMIT, PRIORITY_LIMIT] (the scheduler mixes
+#: them with float aging; a 400-digit integer would overflow there).
+PRIORITY_LIMIT = 2**31 - 1
 
 
 def priority_value(priority: "int | str | None") -> int:
@@ -31,6 +50,9 @@ def priority_value(priority: "int | str | None") -> int:
     if isinstance(priority, bool):
         raise ValueError("priority must be a class name or an integer")
     if isinstance(priority, int):
+        if not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT:
+            raise ValueError(f"priority must be in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], "
+                             f"got {priority}")
         return priority
     if isinstance(priority, str) and priority in PRIORITY_CLASSES:
         return PRIORITY_CLASSES[priority]
@@ -110,6 +132,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
+    error: Optional[RequestFailedError] = None  # set when a completion ended with "error"
 
 
 @dataclass
@@ -130,3 +153,4 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    num_step_errors: int = 0       # steps whose model execution raised (culprits isolated)

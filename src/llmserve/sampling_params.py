@@ -3,9 +3,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Collection, Optional, Sequence, Union
 
 _MAX_LOGPROBS = 20
+
+#: Ranges that keep every value finite and exact enough in float32, where the sampler
+#: applies them (a repetition penalty of 1e-300 rounds to 0 there and turns logits into
+#: NaN; a temperature of 1e-300 divides by zero). See docs/GATEWAY.md, "Input limits".
+TEMPERATURE_RANGE = (1e-5, 100.0)      # or exactly 0 (greedy)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)            # presence_penalty, frequency_penalty (OpenAI's)
+#: What ``torch.Generator.manual_seed`` accepts: a signed or unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+#: Token ids and priorities are stored in 32-bit-safe integers downstream.
+MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass
@@ -22,6 +33,13 @@ class SamplingParams:
       5. a draw from the renormalised distribution, with the request's own generator
          when `seed` is set (so the result does not depend on the rest of the batch).
     Reported logprobs are of the raw model distribution (log-softmax of the unprocessed logits).
+
+    Validation keeps every value representable where the sampler uses it: temperature is
+    0 or in [1e-5, 100], repetition_penalty in [0.01, 100], presence/frequency penalties
+    in [-2, 2], seed in [-2**63, 2**64 - 1] (what torch's generators accept), token ids
+    in [0, 2**31). Masks that would leave no token to sample (`min_tokens` with
+    `stop_token_ids` covering the whole vocabulary) are refused by the engine, which
+    knows the vocabulary (`check_masks`).
     """
 
     n: int = 1
@@ -80,8 +98,11 @@ class SamplingParams:
 
         if integer("n", self.n) < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if num("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        temperature = num("temperature", self.temperature)
+        low, high = TEMPERATURE_RANGE
+        if temperature != 0.0 and not low <= temperature <= high:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{low:g}, {high:g}], "
+                             f"got {self.temperature}")
         top_p = num("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -90,14 +111,19 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
         if not 0.0 <= num("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if num("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= num("presence_penalty", self.presence_penalty) <= 2.0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= num("repetition_penalty", self.repetition_penalty) <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], "
+                             f"got {self.repetition_penalty}")
+        low, high = PENALTY_RANGE
+        if not low <= num("presence_penalty", self.presence_penalty) <= high:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= num("frequency_penalty", self.frequency_penalty) <= 2.0:
+        if not low <= num("frequency_penalty", self.frequency_penalty) <= high:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None:
-            integer("seed", self.seed)
+            low_seed, high_seed = SEED_RANGE
+            if not low_seed <= integer("seed", self.seed) <= high_seed:
+                raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if integer("min_tokens", self.min_tokens) < 0:
@@ -110,12 +136,28 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if integer("stop_token_ids[]", t) < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+            if not 0 <= integer("stop_token_ids[]", t) <= MAX_TOKEN_ID:
+                raise ValueError(f"stop_token_ids must be in [0, 2**31), got {t}")
         if self.logprobs is not None:
             lp = integer("logprobs", self.logprobs)
             if not 0 <= lp <= _MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {lp}")
+
+    def check_masks(self, vocab_size: int, eos_token_ids: Collection[int] = ()) -> None:
+        """Raise ValueError when the min_tokens mask would leave no token to sample.
+
+        While fewer than `min_tokens` tokens exist, EOS (also under `ignore_eos`) and
+        `stop_token_ids` are masked; if those cover every id in [0, vocab_size) no token
+        could be drawn. The engine calls this with its vocabulary before accepting a request.
+        """
+        if not self.min_tokens:
+            return
+        banned = {t for t in (*eos_token_ids, *self.stop_token_ids) if 0 <= t < vocab_size}
+        if len(banned) >= vocab_size:
+            raise ValueError(
+                f"stop_token_ids with min_tokens={self.min_tokens} would mask every one of the "
+                f"{vocab_size} tokens of the vocabulary (EOS and stop ids are masked until "
+                f"min_tokens exist); leave at least one token unmasked")
 
     def child(self, index: int) -> "SamplingParams":
         """Params of the index-th of `n` completions: n=1, and a distinct derived seed."""

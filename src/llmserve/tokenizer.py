@@ -20,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from llmserve.chat_tokens import encode_chat
+
 logger = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
@@ -163,6 +165,10 @@ class Tokenizer:
         specials = {i for i, tok in added.items() if tok.special}
         specials.update(i for i in (self._bos_id, self._eos_id, self._pad_id, self._lookup(unk_token)) if i is not None)
         self._special_ids = frozenset(specials)
+        #: the text of every special token (what a user must not be able to inject in a chat)
+        self.special_token_strings = tuple(sorted(
+            {tok.content for tok in added.values() if tok.special}
+            | {t for t in self._tokens.values() if t is not None}))
         # BOS/EOS the tokenizer.json post-processor does not add itself, we add by hand.
         probe = backend.encode("a", add_special_tokens=True).ids
         self._prepend_bos = self.add_bos_token and self._bos_id is not None and probe[:1] != [self._bos_id]
@@ -279,6 +285,12 @@ class Tokenizer:
         if add_special_tokens and self._append_eos:
             ids = [*ids, self._eos_id]
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None, **template_kwargs: Any) -> list[int]:
+        """Token ids of a chat prompt: the template's markers are control tokens, the
+        messages' text never is (see llmserve.chat_tokens)."""
+        return encode_chat(self, messages, add_generation_prompt, tools, **template_kwargs)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; special tokens are dropped unless ``skip_special_tokens`` is False."""

@@ -4,22 +4,30 @@ It speaks the same typed step messages (StepInput -> StepOutput) as the real run
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from llmserve.engine.step_types import StepInput, StepOutput
 
 
 class FakeRunner:
     """Emits token (sum of the sequence's tokens) % vocab, so outputs depend on the whole prefix."""
 
-    def __init__(self, vocab: int = 1000, eos: int | None = None, block_size: int = 4) -> None:
+    def __init__(self, vocab: int = 1000, eos: int | None = None, block_size: int = 4,
+                 fail_if: Optional[Callable[[str], Optional[Exception]]] = None) -> None:
         self.vocab = vocab
         self.block_size = block_size
         self.steps: list[StepInput] = []
         self.released: list[str] = []
+        self.fail_if = fail_if   # a request id -> the exception a batch holding it raises, or None
 
     def execute(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
+        if self.fail_if is not None:
+            for rid in step.request_ids:
+                exc = self.fail_if(rid)
+                if exc is not None:
+                    raise exc
         out = StepOutput()
-        offset = 0
         for i, rid in enumerate(step.request_ids):
             n = step.num_new_tokens[i]
             need = -(-(step.start_positions[i] + n) // self.block_size)
@@ -30,7 +38,6 @@ class FakeRunner:
                 total = sum(samp.prompt_token_ids) + sum(samp.output_token_ids)
                 out.request_ids.append(rid)
                 out.token_ids.append([10 + total % (self.vocab - 10)])
-            offset += n
         return out
 
     def release(self, request_id: str) -> None:

@@ -150,6 +150,15 @@ class BlockPool:
         block.namespace = namespace
         self.cached[block_hash] = block
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> int:
+        """Forget the hashes of these blocks (a free cached one becomes free empty)."""
+        dropped = 0
+        for block in blocks:
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                dropped += 1
+        return dropped
+
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]

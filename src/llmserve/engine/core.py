@@ -4,6 +4,12 @@ The model runner is injected (anything with ``execute(StepInput) -> StepOutput``
 ``release(request_id)``), so this module, like the scheduler and the block manager,
 imports no torch and can be driven by a fake runner in tests. The runner sees only the
 typed step messages of ``step_types``, never a ``Request``.
+
+A runner that raises fails only the requests that make it raise: `_execute_isolated`
+re-runs the step's requests in halves (engine/isolation.py, step_isolation.py), fails
+each culprit alone (finish reason "error", a `RequestFailedError` for its caller),
+requeues the requests that read KV a culprit was to write, and the rest continue with
+the tokens they would have produced alone.
 """
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.step_isolation import StepFailures, execute_isolated
 from llmserve.engine.step_types import SequenceSampling, StepInput, StepOutput
-from llmserve.protocol import CompletionOutput, EngineStats, FinishReason
+from llmserve.protocol import CompletionOutput, EngineStats, FinishReason, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +50,13 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
 class SequenceUpdate:
     """What one step did to one sequence: a delta plus, maybe, its end."""
 
-    __slots__ = ("request", "delta")
+    __slots__ = ("request", "delta", "error")
 
-    def __init__(self, request: Request, delta: CompletionOutput) -> None:
+    def __init__(self, request: Request, delta: CompletionOutput,
+                 error: Optional[RequestFailedError] = None) -> None:
         self.request = request
         self.delta = delta
+        self.error = error
 
 
 class EngineCore:
@@ -62,6 +71,7 @@ class EngineCore:
         self.check_invariants_each_step = check_invariants
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_step_errors = 0
         self._timed: dict[str, Request] = {}   # requests with a deadline or queue deadline
 
     def add_request(self, request: Request) -> None:
@@ -110,9 +120,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.runner.execute(build_step_input(sched, self.kv))
+        result, failures = self._execute_isolated(sched)
+        updates = self._settle_failures(failures) if failures else []
         self.scheduler.on_step_done(sched)
-        updates = []
         requests = self.scheduler.requests
         lps = result.logprobs
         tops = result.top_logprobs
@@ -152,6 +162,36 @@ class EngineCore:
                 break
         return None if delta is None else SequenceUpdate(req, delta)
 
+    def _execute_isolated(self, sched: SchedulerOutput
+                          ) -> tuple[StepOutput, Optional[StepFailures]]:
+        """The runner's result for the step; if it raised, the merged results of the
+        requests that run fine without the culprits, and what failed (see step_isolation)."""
+        try:
+            return self.runner.execute(build_step_input(sched, self.kv)), None
+        except Exception as exc:  # noqa: BLE001 - isolate the culprits, keep the rest
+            self.num_step_errors += 1
+            logger.warning("engine step %d failed (%r); isolating the failing request(s)",
+                           sched.step, exc)
+            tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
+                      for s in sched.scheduled}
+            return execute_isolated(
+                lambda sub, _tables: self.runner.execute(build_step_input(sub, self.kv)),
+                sched, tables, exc, self.kv.block_size)
+
+    def _settle_failures(self, failures: StepFailures) -> list[SequenceUpdate]:
+        """Fail the culprits, requeue what depended on them; drop their blocks' hashes
+        (the KV those blocks should hold this step was never written)."""
+        self.kv.drop_cached_blocks(failures.written_blocks)
+        for s in failures.deferred:
+            self.scheduler.requeue(s.request)
+        updates = []
+        for s, error in failures.failed:
+            upd = self.abort_request(s.request.request_id, FinishReason.ERROR.value)
+            if upd is not None:
+                upd.error = error
+                updates.append(upd)
+        return updates
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
@@ -169,4 +209,5 @@ class EngineCore:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_steps=s.step_index,
+            num_step_errors=self.num_step_errors,
         )

@@ -162,6 +162,11 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         return len(blocks)
 
+    def drop_cached_blocks(self, block_ids: Iterable[int]) -> int:
+        """Unregister these blocks from the prefix cache (their KV is not what their hash
+        says, e.g. a failed step never wrote it); owners keep them. Returns how many."""
+        return self.pool.uncache(self.pool.blocks[i] for i in block_ids)
+
     def reset_prefix_cache(self, namespace: Optional[str] = None, *, all_namespaces: bool = True) -> int:
         """Forget cached prefixes (all, or one tenant's); blocks in use keep their contents."""
         return self.pool.reset_cache(namespace, all_namespaces=all_namespaces)

@@ -130,6 +130,17 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
+    def requeue(self, request: Request) -> None:
+        """Send a running request back to the waiting queue, its KV freed, to be
+        recomputed (like a preemption, without counting as one)."""
+        if request.status is not RequestStatus.RUNNING:
+            return
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.append(request)
+
     def _key(self, request: Request, now: float) -> tuple[float, float]:
         waited = now - request.arrival_time
         return (request.priority - self.config.aging_rate * waited, request.arrival_time)

@@ -375,6 +375,7 @@ class Sampler:
                 weights = (filtered - filtered.amax(dim=-1, keepdim=True)).exp_()
             else:  # max commutes with the positive temperature scaling
                 weights = (x - row_max).div_(batch.temperature.unsqueeze(1)).exp_()
+            saved = [(g, g.get_state()) for g in (batch.generators[r] for r in batch.seeded_rows)]
             tokens = self._draw(weights, batch)
             if greedy_tokens is not None:
                 tokens = torch.where(batch.greedy, greedy_tokens, tokens)
@@ -382,6 +383,9 @@ class Sampler:
         token_ids, bad_rows = torch.stack([tokens, bad.to(tokens.dtype)]).tolist()
         if any(bad_rows):
             rows = [i for i, b in enumerate(bad_rows) if b]
+            if not batch.all_greedy:  # undo the draws: a retry without the bad rows
+                for gen, state in saved:  # must draw what the good rows would have
+                    gen.set_state(state)
             raise RuntimeError(
                 f"cannot sample rows {rows}: their logits are NaN or all -inf "
                 f"(e.g. every token masked by min_tokens)"

@@ -6,6 +6,8 @@ Endpoints:
     GET  /health                                       the process is alive (always 200)
     GET  /ready                                        200 when ``engine.is_ready()``, else 503
     GET  /metrics                                      Prometheus text (docs/METRICS.md)
+    GET  /openapi.json                                 OpenAPI, with the request and response
+                                                       body schemas (server/openapi.py)
 
 Every error body has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -22,8 +24,10 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.errors import OpenAIError, install_error_handlers
 from llmserve.server.gateway_hook import RequestContext, call_hook
+from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
+from llmserve.server.openapi import install_openapi
 from llmserve.server.serving import DEFAULT_MAX_BODY_BYTES, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ def create_app(
     gateway: Any = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     engines: Optional[Mapping[str, Any]] = None,
+    limits: Optional[RequestLimits] = None,
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
 
@@ -48,6 +53,8 @@ def create_app(
         max_body_bytes: largest request body accepted (413 above).
         engines: more served models in the same process, served name -> engine (e.g.
             a fallback model the gateway routes to). ``engine`` stays the default.
+        limits: bounds on the request's inputs (stop strings, messages, prompt bytes
+            ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -56,7 +63,9 @@ def create_app(
     """
     names = list(served_model_names) if served_model_names else [engine.model_name]
     metrics = ServerMetrics(engine, names[0], engine.fingerprint)
-    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines)
+    limits = limits or DEFAULT_LIMITS
+    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
+                            limits=limits)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)
@@ -140,4 +149,8 @@ def create_app(
         body = await asyncio.to_thread(metrics.render)
         return Response(content=body, media_type=CONTENT_TYPE)
 
+    distinct = list({id(e): e for e in all_engines.values()}.values())
+    vocab = [getattr(e.tokenizer, "vocab_size", None) for e in distinct]
+    install_openapi(app, limits, max(e.max_model_len for e in distinct),
+                    max(vocab) if all(isinstance(v, int) for v in vocab) else None)
     return app

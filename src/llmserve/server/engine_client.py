@@ -14,7 +14,12 @@ from llmserve.sampling_params import SamplingParams
 
 @runtime_checkable
 class TokenizerLike(Protocol):
-    """The part of ``llmserve.tokenizer.Tokenizer`` the server uses."""
+    """The part of ``llmserve.tokenizer.Tokenizer`` the server uses.
+
+    A tokenizer may also offer ``encode_chat(messages, add_generation_prompt=True)``
+    returning token ids in which only the template's markers are control tokens; the
+    server then uses it for chat prompts (so a user cannot inject ``<|im_start|>``).
+    """
 
     eos_token_ids: Sequence[int]
 

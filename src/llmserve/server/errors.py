@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmserve.protocol import RequestFailedError
+
 logger = logging.getLogger(__name__)
 
 #: The OpenAI ``type`` string for each status we send.
@@ -169,6 +171,16 @@ def value_error_to_openai(exc: ValueError) -> OpenAIError:
     head = message.split(" ", 1)[0].strip(":,").split("[", 1)[0]
     param = head if head.replace("_", "").isalnum() and head.islower() else None
     return bad_request(message, param=param)
+
+
+def request_failed_to_openai(exc: RequestFailedError) -> OpenAIError:
+    """The error for a request the engine failed alone (the rest of its batch ran on):
+    400 when its own input could not be run, else 500; both name the error id that the
+    server's log carries with the traceback (also in the ``X-Error-Id`` header)."""
+    headers = {"X-Error-Id": exc.error_id}
+    if exc.input_error:
+        return OpenAIError(400, str(exc), code="invalid_request_input", headers=headers)
+    return OpenAIError(500, str(exc), code="engine_error", headers=headers)
 
 
 # -- FastAPI exception handlers -------------------------------------------------------

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
-from llmserve.protocol import RequestOutput, TokenLogprob
+from llmserve.protocol import RequestFailedError, RequestOutput, TokenLogprob
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.errors import OpenAIError, value_error_to_openai
+from llmserve.server.errors import OpenAIError, request_failed_to_openai, value_error_to_openai
 from llmserve.server.gateway_hook import (CapturedResponse, RequestContext, RequestOutcome, Usage,
                                           notify_complete, notify_started)
 from llmserve.server.metrics import RequestTimer, ServerMetrics
@@ -166,7 +166,8 @@ class GenerationRun:
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Yield, per engine increment, the changes to the response's choices.
 
-        A ValueError from the engine (invalid request) becomes a 400 OpenAIError.
+        A ValueError from the engine (invalid request) becomes a 400 OpenAIError, a
+        RequestFailedError (the model step failed on this request alone) a 400 or 500.
         """
         source = self._single() if len(self.prompts) == 1 else self._merged()
         try:
@@ -174,6 +175,8 @@ class GenerationRun:
                 yield self._apply(prompt_idx, out, time.monotonic())
         except ValueError as exc:
             raise value_error_to_openai(exc) from None
+        except RequestFailedError as exc:
+            raise request_failed_to_openai(exc) from None
         finally:
             await source.aclose()
         if self.unfinished:

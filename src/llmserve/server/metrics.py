@@ -112,6 +112,9 @@ class EngineStatsCollector(Collector):
         yield ("counter", "llmserve_request_aborted", "Requests aborted in the engine",
                       s.num_aborted)
         yield ("counter", "llmserve_engine_steps", "Engine scheduler steps", s.num_steps)
+        yield ("counter", "llmserve_step_errors",
+               "Engine steps whose model execution raised (the failing requests were "
+               "isolated and failed alone)", s.num_step_errors)
 
 
 class ServerMetrics:

@@ -3,9 +3,10 @@
 Validation policy:
   * types are strict: ``"0.5"`` is not a number, ``true`` is not an integer, ``1.0``
     is not an integer; NaN and infinities are rejected;
-  * unknown top-level (and message-level) fields are rejected with a 400 that names
-    the field (``code: "unknown_parameter"``) -- silently ignoring a misspelled
-    ``max_token`` would return something the caller did not ask for;
+  * unknown top-level, message-level and content-part fields are rejected with a 400
+    that names the field (``code: "unknown_parameter"``) -- silently ignoring a
+    misspelled ``max_token`` would return something the caller did not ask for;
+  * every variable-size input is bounded (``llmserve.server.limits``);
   * a few OpenAI fields we cannot honour are accepted only with their neutral value
     (``logit_bias: {}``, ``response_format: {"type": "text"}``, ``tools: []``,
     ``tool_choice: "none"``, ``echo: false``, ``best_of`` equal to ``n``, ``suffix: null``);
@@ -21,9 +22,8 @@ from llmserve.protocol import priority_value
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import OpenAIError, bad_request, validation_error_to_openai, \
     value_error_to_openai
-
-#: Most choices (prompts x n) one request may ask for.
-MAX_CHOICES_PER_REQUEST = 128
+from llmserve.server.limits import (DEFAULT_LIMITS, MAX_CHOICES_PER_REQUEST, RequestLimits,
+                                    check_limits)
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -80,8 +80,6 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
-        if self.user is not None and len(self.user) > 256:
-            raise bad_request("user must be at most 256 characters", param="user")
         if self.priority is not None:
             try:
                 priority_value(self.priority)
@@ -102,7 +100,11 @@ class _SamplingFields(BaseModel):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported.
+
+    Other fields are kept by pydantic only so that an image part is reported as an
+    unsupported type first; any field besides ``type`` and ``text`` is then a 400.
+    """
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
@@ -138,6 +140,10 @@ class ChatMessage(BaseModel):
                     raise bad_request(
                         f"only text content parts are supported (got type {part.type!r})",
                         param=f"messages[{index}].content[{j}]")
+                if part.model_extra:
+                    where = f"messages[{index}].content[{j}].{next(iter(part.model_extra))}"
+                    raise bad_request(f"Unrecognized request argument supplied: {where}",
+                                      param=where, code="unknown_parameter")
                 pieces.append(part.text)
             text = "\n".join(pieces)
         out: dict[str, Any] = {"role": self.role, "content": text}
@@ -231,8 +237,10 @@ class CompletionRequest(_SamplingFields):
         return prompts
 
 
-def parse_request(model_cls: type[BaseModel], body: bytes) -> Any:
-    """Decode and validate a JSON body into ``model_cls``; raises OpenAIError (400)."""
+def parse_request(model_cls: type[BaseModel], body: bytes,
+                  limits: RequestLimits = DEFAULT_LIMITS) -> Any:
+    """Decode and validate a JSON body into ``model_cls`` and check its sizes against
+    ``limits``; raises OpenAIError (400)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -245,6 +253,7 @@ def parse_request(model_cls: type[BaseModel], body: bytes) -> Any:
     except ValidationError as exc:
         raise validation_error_to_openai(exc.errors(include_url=False), FIELD_HINTS) from None
     req.check()  # type: ignore[attr-defined]
+    check_limits(req, limits, chat=model_cls is ChatCompletionRequest)
     return req
 
 

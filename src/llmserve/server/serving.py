@@ -24,6 +24,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import OpenAIError, bad_request, value_error_to_openai
 from llmserve.server.gateway_hook import CapturedResponse, RequestContext, call_hook, notify
 from llmserve.server.generation import GenerationRun
+from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.metrics import RequestTimer, ServerMetrics
 from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatCompletionRequest,
                                              CompletionRequest, make_sampling_params,
@@ -81,7 +82,8 @@ class OpenAIServing:
 
     def __init__(self, engine: Any, metrics: ServerMetrics, served_model_names: Sequence[str],
                  gateway: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 engines: Optional[Mapping[str, Any]] = None) -> None:
+                 engines: Optional[Mapping[str, Any]] = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
@@ -95,6 +97,7 @@ class OpenAIServing:
         self.served_model_names = list(self.engines)
         self.gateway = gateway
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self._inflight: set[str] = set()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmserve-tokenize")
 
@@ -118,6 +121,9 @@ class OpenAIServing:
 
     def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]]) -> list[int]:
         tok = engine.tokenizer
+        encode_chat = getattr(tok, "encode_chat", None)
+        if encode_chat is not None:  # message text is never parsed for special tokens
+            return list(encode_chat(messages, add_generation_prompt=True))
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
 
@@ -224,9 +230,9 @@ class OpenAIServing:
         body = await read_body(request, self.max_body_bytes)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         if len(body) > _PARSE_INLINE_BYTES:  # big JSON: parse off the event loop
-            req: Any = await self._in_thread(parse_request, model_cls, body)
+            req: Any = await self._in_thread(parse_request, model_cls, body, self.limits)
         else:
-            req = parse_request(model_cls, body)
+            req = parse_request(model_cls, body, self.limits)
         model = self.resolve_model(req.model)
         engine = self.engines[model]
         ctx.model, ctx.user, ctx.stream, ctx.raw_body = model, req.user, bool(req.stream), body
