@@ -25,7 +25,7 @@ SEEDED_N2 = SamplingParams(n=2, max_tokens=16, temperature=0.8, seed=11, ignore_
 def llm(tmp_path_factory):
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), arch="llama",
                                 num_heads=4, num_kv_heads=2, seed=5)
-    return LLM(path, num_kv_blocks=256, block_size=4, check_invariants=True)
+    return LLM(path, dtype="float32", num_kv_blocks=256, block_size=4, check_invariants=True)
 
 
 def tokens_of(out: RequestOutput) -> list[list[int]]:
