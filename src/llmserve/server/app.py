@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.errors import OpenAIError, install_error_handlers
 from llmserve.server.gateway_hook import RequestContext, call_hook
+from llmserve.server.limits import ServerLimits
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
-from llmserve.server.serving import DEFAULT_MAX_BODY_BYTES, OpenAIServing
+from llmserve.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ def create_app(
     *,
     served_model_names: Optional[Sequence[str]] = None,
     gateway: Any = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: Optional[int] = None,
     engines: Optional[Mapping[str, Any]] = None,
+    limits: Optional[ServerLimits] = None,
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
 
@@ -45,9 +47,13 @@ def create_app(
             default for requests without one. Defaults to ``[engine.model_name]``.
         gateway: optional tenant/auth/admission hook, see
             :mod:`llmserve.server.gateway_hook`.
-        max_body_bytes: largest request body accepted (413 above).
+        max_body_bytes: largest request body accepted (413 above); overrides
+            ``limits.max_body_bytes``.
         engines: more served models in the same process, served name -> engine (e.g.
             a fallback model the gateway routes to). ``engine`` stays the default.
+        limits: body size, body read timeout and tokenizer threads
+            (:class:`~llmserve.server.limits.ServerLimits`; the connection-level
+            limits are applied by :func:`~llmserve.server.launch.build_server`).
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -56,7 +62,8 @@ def create_app(
     """
     names = list(served_model_names) if served_model_names else [engine.model_name]
     metrics = ServerMetrics(engine, names[0], engine.fingerprint)
-    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines)
+    serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
+                            limits=limits)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)
