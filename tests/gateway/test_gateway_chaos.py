@@ -139,7 +139,7 @@ def test_live_kv_admission_turns_a_burst_into_retryable_503s_not_preemptions(kv_
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> Iterator[ServerProcess]:
-    server = start(tmp_path_factory.mktemp("chaos"), tiny_model, "--num-kv-blocks", "256",
+    server = start(tmp_path_factory.mktemp("chaos"), tiny_model, "--num-kv-blocks", "1024",
                    "--max-num-seqs", "2", queue={"timeout_s": 20, "max_requests": 16})
     yield server
     server.stop()
@@ -201,9 +201,10 @@ def test_kill_9_with_requests_in_flight_then_restart(server) -> None:
         conflict = post(server, "alpha", {**long_body, "stream": True}, **{"Idempotency-Key": keys[0]})
         assert_openai_error(conflict, 409, code="idempotency_key_in_use")
         assert int(conflict.headers["retry-after"]) >= 1
+        assert wait_until(lambda: server.metric("llmserve_num_requests_waiting") >= 1, 10, 0.02)
         server.proc.kill()                                     # kill -9, requests in flight
         server.proc.wait(10)
-        with pytest.raises(httpx.HTTPError):
+        with pytest.raises(httpx.HTTPError):                   # it was queued in the engine
             unstreamed.result()
     for s in streams:
         s.join()
