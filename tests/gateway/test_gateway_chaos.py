@@ -194,10 +194,10 @@ def test_kill_9_with_requests_in_flight_then_restart(server) -> None:
     keys = ["flight-" + uuid.uuid4().hex for _ in range(3)]
     long_body = completion("A long one", max_tokens=1800)
     streams = [Stream(server, long_body, **{"Idempotency-Key": k}) for k in keys[:2]]
+    for s in streams:                                          # both engine slots busy
+        assert s.first.wait(60) and s.status == 200
     with cf.ThreadPoolExecutor(1) as pool:
         unstreamed = pool.submit(post, server, "alpha", long_body, 120, **{"Idempotency-Key": keys[2]})
-        for s in streams:
-            assert s.first.wait(60) and s.status == 200
         conflict = post(server, "alpha", {**long_body, "stream": True}, **{"Idempotency-Key": keys[0]})
         assert_openai_error(conflict, 409, code="idempotency_key_in_use")
         assert int(conflict.headers["retry-after"]) >= 1
