@@ -24,6 +24,7 @@ NO_TORCH_MODULES = [
     "llmserve.chat_tokens",
     "llmserve.server.app",
     "llmserve.server.limits",
+    "llmserve.server.server_limits",
     "llmserve.server.openapi",
 ]
 

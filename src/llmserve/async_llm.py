@@ -5,6 +5,7 @@
     generate(): tokenize + validate  --->   commands queue: add / abort
                  await deltas         <---  step(): deltas -> loop.call_soon_threadsafe
     aclose()/cancel -> abort         --->   abort runs before the next step (KV freed)
+    await abort(id)                  <---   the aborted request's final output (KV is free)
 
 Torch ops release the GIL, so the event loop keeps serving while a step runs.
 """
@@ -56,6 +57,7 @@ class AsyncLLM:
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}      # internal engine id -> stream
         self._internal: dict[str, str] = {}          # caller's id -> internal engine id
+        self._aborting: dict[str, asyncio.Future] = {}  # caller's id -> abort confirmation
         self._counter = itertools.count()
         self._closed = False
         self._last_audit = 0.0
@@ -114,7 +116,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", internal))
+                self._post_abort(request_id, internal)
             self._streams.pop(internal, None)
             if self._internal.get(request_id) == internal:
                 del self._internal[request_id]
@@ -125,11 +127,35 @@ class AsyncLLM:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a running request by the caller's id (unknown or finished ids are ignored)."""
+    async def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Abort a running request by the caller's id and wait until the engine thread has
+        done it: returns the request's final output (its KV blocks are free by then; its
+        ``metrics.first_scheduled_time`` says whether it was ever scheduled), or None for
+        an unknown or already finished id. Also waits for an abort that closing the
+        request's stream already sent."""
         internal = self._internal.get(request_id)
-        if internal is not None:
-            self._commands.put(("abort", internal))
+        confirm = self._post_abort(request_id, internal) if internal is not None \
+            else self._aborting.get(request_id)
+        if confirm is None:
+            return None
+        return await asyncio.shield(confirm)
+
+    def _post_abort(self, request_id: str, internal: str) -> "Optional[asyncio.Future]":
+        """Send an abort to the engine thread; the future resolves to its final output."""
+        confirm = self._aborting.get(request_id)
+        if confirm is None or confirm.done():
+            try:
+                confirm = asyncio.get_running_loop().create_future()
+            except RuntimeError:  # no event loop (a stream finalized late): just abort
+                self._commands.put(("abort", internal))
+                return None
+            self._aborting[request_id] = confirm
+            confirm.add_done_callback(lambda f: self._aborting.pop(request_id, None)
+                                      if self._aborting.get(request_id) is f else None)
+            self._commands.put(("abort", internal, confirm))
+            if self._closed:  # no engine thread left to answer
+                confirm.set_result(None)
+        return confirm
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine thread; every open stream ends with EngineDeadError."""
@@ -153,6 +179,19 @@ class AsyncLLM:
             out = self.engine.abort_request(cmd[1])
             if out is not None:
                 self._deliver(out)
+            if len(cmd) > 2:  # the caller waits for the confirmation
+                self._resolve(cmd[2], out)
+
+    @staticmethod
+    def _resolve(future: "asyncio.Future", value: object) -> None:
+        """Resolve an event-loop future from the engine thread (if still pending)."""
+        def settle() -> None:
+            if not future.done():
+                future.set_result(value)
+        try:
+            future.get_loop().call_soon_threadsafe(settle)
+        except RuntimeError:  # the event loop is closed
+            pass
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -199,6 +238,8 @@ class AsyncLLM:
                                   else "the engine is shut down")
             for stream in list(self._streams.values()):
                 stream.put(err)
+            for confirm in list(self._aborting.values()):  # nobody left to abort anything
+                self._resolve(confirm, None)
 
     def _audit_when_idle(self, every_s: float = 30.0) -> None:
         """While idle, check the KV ledger now and then: every block free, none lost."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from llmserve.config import EngineConfig
+
+if TYPE_CHECKING:
+    from llmserve.server.server_limits import ServerLimits
 
 logger = logging.getLogger("llmserve")
 
@@ -104,12 +107,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
             gateway = build_gateway(args.config, engine, fallback_engines=engines,
                                     served_model_names=names)
         serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
-              served_model_names=names, gateway=gateway, engines=engines)
+              served_model_names=names, gateway=gateway, engines=engines,
+              limits=server_limits_from_args(args, gateway))
     finally:
         for other in engines.values():
             other.shutdown()
         engine.shutdown()
     return 0
+
+
+def add_server_limit_args(p: argparse.ArgumentParser) -> None:
+    """HTTP limit flags; each overrides the gateway config's ``server`` section (and the
+    defaults of ``llmserve.server.server_limits.ServerLimits``)."""
+    g = p.add_argument_group("HTTP limits (default: the config's `server` section, else safe defaults)")
+    g.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413)")
+    g.add_argument("--body-read-timeout", dest="body_read_timeout_s", type=float, default=None,
+                   help="seconds for the whole body to arrive (408)")
+    g.add_argument("--header-read-timeout", dest="header_read_timeout_s", type=float,
+                   default=None, help="seconds for the request line and headers to arrive (408)")
+    g.add_argument("--keep-alive-timeout", dest="keep_alive_timeout_s", type=float, default=None,
+                   help="idle seconds before a kept-alive connection is closed")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections / requests at once (uvicorn limit_concurrency; 503)")
+    g.add_argument("--tokenizer-threads", type=int, default=None,
+                   help="threads that parse and tokenize, shared fairly among tenants")
+
+
+def server_limits_from_args(args: argparse.Namespace, gateway: object = None) -> "ServerLimits":
+    """The server's limits: the gateway config's ``server`` section (if any), then flags."""
+    from llmserve.server.server_limits import ServerLimits
+
+    config = getattr(gateway, "config", None)
+    base = getattr(config, "server", None) or ServerLimits()
+    return base.replace(**{name: getattr(args, name, None) for name in (
+        "max_body_bytes", "body_read_timeout_s", "header_read_timeout_s", "keep_alive_timeout_s",
+        "max_connections", "tokenizer_threads")})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a second engine (same engine flags) to serve as a fallback model")
     s.add_argument("--fallback-name", default=None,
                    help="served name of the fallback model (default: its model name)")
+    add_server_limit_args(s)
     s.set_defaults(func=cmd_serve)
 
     from llmserve.gateway.cli_commands import add_admin_commands

@@ -20,7 +20,7 @@ LIMITS = RequestLimits(max_messages=4, max_content_parts=3, max_prompt_bytes=200
 def server():
     from tests.server.conftest import LiveServer
 
-    live = LiveServer(FakeEngine(), limits=LIMITS).start()
+    live = LiveServer(FakeEngine(), input_limits=LIMITS).start()
     yield live
     live.stop()
 

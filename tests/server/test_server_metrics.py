@@ -17,7 +17,8 @@ GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_blocks_used"
 COUNTERS = ["prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
             "num_preemptions", "request_aborted", "request_success", "http_requests",
             "client_disconnects"]
-ALLOWED_LABELS = {"model", "version", "le", "finished_reason", "endpoint", "status_class"}
+ALLOWED_LABELS = {"model", "version", "le", "finished_reason", "endpoint", "status_class", "reason",
+                  "cache_namespace"}
 
 
 def scrape(server: LiveServer) -> str:

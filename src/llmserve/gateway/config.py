@@ -11,21 +11,25 @@ The full format is documented in docs/GATEWAY.md.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 import secrets
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
+from llmserve.gateway.config_fields import (Section, boolean, fraction, identifier, mapping,
+                                            parse_toml, positive_int, positive_number, string,
+                                            string_list)
 from llmserve.protocol import PRIORITY_CLASSES, priority_value
+from llmserve.server.server_limits import ServerLimits
 
 KEY_HASH_PREFIX = "sha256:"
 _KEY_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 OPEN_TENANT = "default"
+#: Default ``max_tokens_reservation``: completion tokens reserved for a request without max_tokens.
+DEFAULT_MAX_TOKENS_RESERVATION = 512
 
 
 def hash_api_key(key: str) -> str:
@@ -47,6 +51,7 @@ class QueueConfig:
     max_requests: int = 64       # requests waiting for the engine to start them
     max_tokens: int = 65536      # sum over waiting requests of prompt + max_tokens
     timeout_s: float = 30.0      # longest wait before a request is removed (503)
+    kv_watermark: Optional[float] = 0.05  # share of the KV pool kept free; None: no KV gate
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,12 @@ class TenantConfig:
 
     def effective_timeout(self, default_s: float, requested_s: Optional[float] = None) -> float:
         """The request's deadline in seconds: the header's value (if any) or the default,
-        capped by this tenant's ``max_request_timeout_s``."""
+        capped by this tenant's ``max_request_timeout_s`` or, for a tenant without one,
+        by the default itself (``X-Request-Timeout`` can shorten the deadline, never
+        stretch it past what the operator configured)."""
         timeout = default_s if requested_s is None else requested_s
-        if self.max_request_timeout_s is not None:
-            timeout = min(timeout, self.max_request_timeout_s)
-        return timeout
+        cap = self.max_request_timeout_s if self.max_request_timeout_s is not None else default_s
+        return min(timeout, cap)
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,8 @@ class GatewayConfig:
     database: Optional[str] = None      # SQLite file for the ledger and idempotency keys
     idempotency_ttl_s: float = 86400.0
     auth_required: bool = True
+    max_tokens_reservation: int = DEFAULT_MAX_TOKENS_RESERVATION  # per choice, without max_tokens
+    server: ServerLimits = ServerLimits()
 
     @classmethod
     def load(cls, path: "str | os.PathLike[str]") -> "GatewayConfig":
@@ -128,7 +136,7 @@ class GatewayConfig:
         text = p.read_text(encoding="utf-8")
         if p.suffix.lower() == ".toml":
             try:
-                data = _parse_toml(text)
+                data = parse_toml(text)
             except ValueError as e:
                 raise ValueError(f"{p}: {e}") from e
         else:
@@ -143,20 +151,24 @@ class GatewayConfig:
     @classmethod
     def from_dict(cls, data: Any, base_dir: "str | os.PathLike[str] | None" = None) -> "GatewayConfig":
         """Validate an already parsed config mapping (see :meth:`load`)."""
-        root = _Section(data, "")
-        database = root.take("database", _string, None)
+        root = Section(data, "")
+        database = root.take("database", string, None)
         if database == ":memory:":
             raise ValueError("database: must be a file path (the ledger must survive restarts)")
         if database is not None and base_dir is not None:
             database = str(Path(base_dir) / Path(database).expanduser())
-        queue = _parse_queue(root.take("queue", _mapping, {}))
-        request_timeout_s = root.take("request_timeout_s", _positive_number, 120.0)
-        idempotency_ttl_s = root.take("idempotency_ttl_s", _positive_number, 86400.0)
-        models = _parse_models(root.take("models", _mapping, {}))
-        tenants = _parse_tenants(root.take("tenants", _mapping, None))
+        queue = _parse_queue(root.take("queue", mapping, {}))
+        request_timeout_s = root.take("request_timeout_s", positive_number, 120.0)
+        idempotency_ttl_s = root.take("idempotency_ttl_s", positive_number, 86400.0)
+        reservation = root.take("max_tokens_reservation", positive_int,
+                                DEFAULT_MAX_TOKENS_RESERVATION)
+        server = _parse_server(root.take("server", mapping, {}))
+        models = _parse_models(root.take("models", mapping, {}))
+        tenants = _parse_tenants(root.take("tenants", mapping, None))
         root.finish()
         return cls(tenants=tenants, models=models, queue=queue, request_timeout_s=request_timeout_s,
-                   database=database, idempotency_ttl_s=idempotency_ttl_s, auth_required=True)
+                   database=database, idempotency_ttl_s=idempotency_ttl_s, auth_required=True,
+                   max_tokens_reservation=reservation, server=server)
 
     @classmethod
     def open_default(cls, database: Optional[str] = None) -> "GatewayConfig":
@@ -173,117 +185,46 @@ class GatewayConfig:
 # --------------------------------------------------------------------------- parsing
 
 
-def _parse_toml(text: str) -> Any:
-    try:
-        import tomllib  # Python 3.11+
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError as e:
-            raise ValueError("TOML config files need Python 3.11+ (or the tomli package)") from e
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"not valid TOML: {e}") from e
-
-
-class _Section:
-    """One mapping of the config: take known keys with type checks, then reject the rest."""
-
-    def __init__(self, data: Any, path: str) -> None:
-        if not isinstance(data, Mapping):
-            where = path or "config"
-            raise ValueError(f"{where}: expected a mapping, got {_kind(data)}")
-        self.data = data
-        self.path = path
-        self.seen: set[str] = set()
-
-    def child(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def take(self, key: str, check: Callable[[Any, str], Any], default: Any) -> Any:
-        """The checked value of ``key``; ``default`` when it is absent or null."""
-        self.seen.add(key)
-        if self.data.get(key) is None:
-            return default
-        return check(self.data[key], self.child(key))
-
-    def finish(self) -> None:
-        for key in self.data:
-            if key not in self.seen:
-                raise ValueError(f"{self.child(str(key))}: unknown key")
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _mapping(value: Any, path: str) -> Mapping:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{path}: expected a mapping, got {_kind(value)}")
-    return value
-
-
-def _string(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{path}: expected a non-empty string, got {_kind(value)}")
-    return value
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{path}: expected true or false, got {_kind(value)}")
-    return value
-
-
-def _positive_int(value: Any, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{path}: expected an integer, got {_kind(value)}")
-    if value < 1:
-        raise ValueError(f"{path}: must be at least 1, got {value}")
-    return value
-
-
-def _positive_number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{path}: expected a number, got {_kind(value)}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{path}: must be a finite number > 0, got {value}")
-    return float(value)
-
-
-def _string_list(value: Any, path: str) -> list[str]:
-    if not isinstance(value, list):
-        raise ValueError(f"{path}: expected a list, got {_kind(value)}")
-    return [_string(item, f"{path}[{i}]") for i, item in enumerate(value)]
-
-
-def _name(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise ValueError(f"{path}: names must be 1-64 characters of letters, digits, '_', '.', '-' "
-                         f"starting with a letter or digit, got {value!r}")
-    return value
-
-
 def _parse_queue(data: Mapping) -> QueueConfig:
-    section = _Section(data, "queue")
+    section = Section(data, "queue")
+    section.seen.add("kv_watermark")
     default = QueueConfig()
     queue = QueueConfig(
-        max_requests=section.take("max_requests", _positive_int, default.max_requests),
-        max_tokens=section.take("max_tokens", _positive_int, default.max_tokens),
-        timeout_s=section.take("timeout_s", _positive_number, default.timeout_s),
+        max_requests=section.take("max_requests", positive_int, default.max_requests),
+        max_tokens=section.take("max_tokens", positive_int, default.max_tokens),
+        timeout_s=section.take("timeout_s", positive_number, default.timeout_s),
+        kv_watermark=None if _explicit_null(data, "kv_watermark") else section.take(
+            "kv_watermark", fraction, default.kv_watermark),
     )
     section.finish()
     return queue
+
+
+def _explicit_null(data: Mapping, key: str) -> bool:
+    """True when ``key`` is present with the value null (which turns a feature off)."""
+    return key in data and data[key] is None
+
+
+def _parse_server(data: Mapping) -> ServerLimits:
+    """The ``server`` section: HTTP limits (see llmserve.server.server_limits)."""
+    section = Section(data, "server")
+    default = ServerLimits()
+    values = {}
+    for key in ("max_body_bytes", "max_connections", "max_header_bytes", "tokenizer_threads"):
+        values[key] = section.take(key, positive_int, getattr(default, key))
+    for key in ("body_read_timeout_s", "header_read_timeout_s", "keep_alive_timeout_s"):
+        values[key] = section.take(key, positive_number, getattr(default, key))
+    section.finish()
+    return ServerLimits(**values)
 
 
 def _parse_models(data: Mapping) -> dict[str, ModelRoute]:
     routes: dict[str, ModelRoute] = {}
     for name, body in data.items():
         path = f"models.{name}"
-        _string(name, path)
-        section = _Section({} if body is None else body, path)
-        fallback = section.take("fallback", _string, None)
+        string(name, path)
+        section = Section({} if body is None else body, path)
+        fallback = section.take("fallback", string, None)
         section.finish()
         if fallback == name:
             raise ValueError(f"{path}.fallback: a model cannot be its own fallback")
@@ -308,8 +249,8 @@ def _parse_tenants(data: Optional[Mapping]) -> dict[str, TenantConfig]:
     owner_of_hash: dict[str, str] = {}
     for name, body in data.items():
         path = f"tenants.{name}"
-        _name(name, path)
-        tenant = _parse_tenant(name, _Section(body, path))
+        identifier(name, path)
+        tenant = _parse_tenant(name, Section(body, path))
         for i, key_hash in enumerate(tenant.key_hashes):
             if key_hash in owner_of_hash:
                 raise ValueError(f"{path}.keys[{i}]: the same key is already listed for tenant "
@@ -322,9 +263,9 @@ def _parse_tenants(data: Optional[Mapping]) -> dict[str, TenantConfig]:
     return tenants
 
 
-def _parse_tenant(name: str, section: _Section) -> TenantConfig:
+def _parse_tenant(name: str, section: Section) -> TenantConfig:
     path = section.path
-    raw_keys = section.take("keys", _string_list, None)
+    raw_keys = section.take("keys", string_list, None)
     if not raw_keys:
         raise ValueError(f"{path}.keys: required, a non-empty list of \"sha256:<hex>\" key hashes")
     key_hashes = []
@@ -336,20 +277,20 @@ def _parse_tenant(name: str, section: _Section) -> TenantConfig:
         if normal in key_hashes:
             raise ValueError(f"{path}.keys[{i}]: duplicate key")
         key_hashes.append(normal)
-    models = section.take("models", _string_list, ["*"])
+    models = section.take("models", string_list, ["*"])
     if not models:
         raise ValueError(f"{path}.models: must list at least one model pattern (\"*\" for all)")
-    priority = section.take("priority", _string, "default")
+    priority = section.take("priority", string, "default")
     if priority not in PRIORITY_CLASSES:
         raise ValueError(f"{path}.priority: expected one of {sorted(PRIORITY_CLASSES)}, got {priority!r}")
-    shared_prefix = section.take("shared_prefix", _bool, False)
-    cache_namespace = section.take("cache_namespace", _name, None)
+    shared_prefix = section.take("shared_prefix", boolean, False)
+    cache_namespace = section.take("cache_namespace", identifier, None)
     if cache_namespace is not None and not shared_prefix:
         raise ValueError(f"{path}.cache_namespace: only meaningful with shared_prefix: true")
-    rpm = section.take("requests_per_minute", _positive_int, None)
-    tpm = section.take("tokens_per_minute", _positive_int, None)
-    request_burst = section.take("request_burst", _positive_int, None)
-    token_burst = section.take("token_burst", _positive_int, None)
+    rpm = section.take("requests_per_minute", positive_int, None)
+    tpm = section.take("tokens_per_minute", positive_int, None)
+    request_burst = section.take("request_burst", positive_int, None)
+    token_burst = section.take("token_burst", positive_int, None)
     if request_burst is not None and rpm is None:
         raise ValueError(f"{path}.request_burst: only meaningful with requests_per_minute")
     if token_burst is not None and tpm is None:
@@ -363,9 +304,9 @@ def _parse_tenant(name: str, section: _Section) -> TenantConfig:
         tokens_per_minute=tpm,
         request_burst=request_burst,
         token_burst=token_burst,
-        allow_fallback=section.take("allow_fallback", _bool, False),
-        max_request_timeout_s=section.take("max_request_timeout_s", _positive_number, None),
-        max_concurrent=section.take("max_concurrent", _positive_int, None),
+        allow_fallback=section.take("allow_fallback", boolean, False),
+        max_request_timeout_s=section.take("max_request_timeout_s", positive_number, None),
+        max_concurrent=section.take("max_concurrent", positive_int, None),
         shared_prefix=shared_prefix,
         cache_namespace=cache_namespace,
     )

@@ -129,6 +129,13 @@ class OverloadedError(_RetryableError):
         super().__init__(503, message, "overloaded_error", code, retry_after)
 
 
+class KVCachePressureError(OverloadedError):
+    """503: the engine's KV cache is nearly full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message, retry_after, code="kv_cache_pressure")
+
+
 class QueueTimeoutError(OverloadedError):
     """503: the request waited in the queue longer than ``queue.timeout_s`` and was removed."""
 
@@ -136,11 +143,14 @@ class QueueTimeoutError(OverloadedError):
         super().__init__(message, retry_after, code="queue_timeout")
 
 
-class IdempotencyConflict(GatewayError):
-    """409: a request with this Idempotency-Key and the same body is still running."""
+class IdempotencyConflict(_RetryableError):
+    """409: a request with this Idempotency-Key and the same body is still running;
+    ``retry_after`` (seconds) goes out as ``Retry-After``."""
 
-    def __init__(self, message: str = "A request with this Idempotency-Key is still in progress") -> None:
-        super().__init__(409, message, "idempotency_error", "idempotency_key_in_use", "Idempotency-Key")
+    def __init__(self, message: str = "A request with this Idempotency-Key is still in progress",
+                 retry_after: float = 1.0) -> None:
+        super().__init__(409, message, "idempotency_error", "idempotency_key_in_use", retry_after,
+                         param="Idempotency-Key")
 
 
 class IdempotencyMismatch(GatewayError):

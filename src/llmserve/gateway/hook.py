@@ -1,23 +1,31 @@
-"""The gateway in the HTTP request path: :class:`TenantGateway` and :func:`build_gateway`.
+"""The gateway in the HTTP request path: :class:`TenantGateway`.
 
 ``TenantGateway`` implements the server's hook protocol
 (:mod:`llmserve.server.gateway_hook`) with the gateway's building blocks:
 
 * ``authenticate``: ``Authorization: Bearer KEY`` -> tenant (401); the tenant's
   prefix-cache salt and priority class go on the request context;
+* ``preadmit``: before the body is parsed, from its size alone: the tenant's
+  concurrency cap, one request and a low estimate of the prompt's tokens from its
+  rate-limit buckets (429 / 400);
 * ``prepare``: model allowed (403), ``X-Request-Timeout`` (400), ``Idempotency-Key``
-  (a replay, 409, 422);
-* ``admit``: context / KV checks (400), rate limits (429), the bounded queue (503) or
-  the fallback model, the request deadline and the queue deadline for the engine;
+  (a replay, 409 with ``Retry-After``, 422);
+* ``admit``: context / KV checks (400), the rate-limit reservation grown to the real
+  amount (429), live-KV admission (503 ``kv_cache_pressure``), the bounded queue (503)
+  or the fallback model, the request deadline and the queue deadline for the engine;
 * ``on_started``: the request leaves the queue;
-* ``on_complete``: rate-limit settlement, one ledger record, the idempotency record
-  completed (or released), one JSON log line;
-* ``on_reject``: releases what an unadmitted request held and logs it.
+* ``on_complete``: rate-limit settlement, one ledger record and the idempotency record
+  completed (or released) -- in one SQLite transaction --, one JSON log line;
+* ``on_reject``: releases what an unadmitted request held (charging the prompt tokens
+  it made the server tokenize) and logs it.
 
 SQLite work (idempotency, ledger) runs in worker threads (``asyncio.to_thread``) and
 is awaited: a usage record is committed before a JSON response is sent, and before a
-stream's ``data: [DONE]``. ``GatewayError`` is turned into the server's ``OpenAIError``
-with the same status, body and headers. No torch here. See docs/GATEWAY.md.
+stream's ``data: [DONE]``. Expired idempotency records are purged every
+``purge_interval_s`` on a daemon thread. ``GatewayError`` is turned into the server's
+``OpenAIError`` with the same status, body and headers. The served models, their queues
+and KV gates, and the fallback choice are in :mod:`llmserve.gateway.routing`. No torch
+here. See docs/GATEWAY.md; :func:`build_gateway` builds one from a config file.
 """
 from __future__ import annotations
 
@@ -26,18 +34,20 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from llmserve.gateway.admission import AdmissionController, QueueTicket, parse_request_timeout
+from llmserve.gateway.admission import QueueTicket, parse_request_timeout
 from llmserve.gateway.auth import Authenticator
+from llmserve.gateway.billing import CLIENT_CLOSED_STATUS, usage_record, write_outcome
 from llmserve.gateway.config import GatewayConfig, TenantConfig
-from llmserve.gateway.errors import GatewayError, InvalidRequest, OverloadedError
-from llmserve.gateway.idempotency import (BeginOutcome, IdempotencyStore, hash_request_body,
-                                          validate_idempotency_key)
-from llmserve.gateway.ledger import BillingLedger, UsageRecord
-from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter
+from llmserve.gateway.errors import GatewayError, InvalidRequest
+from llmserve.gateway.idempotency import (BeginOutcome, IdempotencyStore, PeriodicTask,
+                                          hash_request_body, validate_idempotency_key)
+from llmserve.gateway.kv_admission import KVCommitment
+from llmserve.gateway.ledger import BillingLedger
+from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter, estimate_tokens_from_bytes
+from llmserve.gateway.routing import ModelRouter
 from llmserve.gateway.request_log import log_request_summary
 from llmserve.protocol import priority_value
 from llmserve.server.errors import OpenAIError
@@ -47,8 +57,8 @@ logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("llmserve.requests")
 
 _STATE = "gateway"
-#: Ledger / log status of a request whose client went away before any response.
-CLIENT_CLOSED_STATUS = 499
+#: How often expired idempotency records are purged (seconds).
+PURGE_INTERVAL_S = 60.0
 
 
 def to_openai_error(err: GatewayError) -> OpenAIError:
@@ -67,15 +77,6 @@ def _as_openai() -> Iterator[None]:
 
 
 @dataclass
-class _Model:
-    """One served model name: its engine and the admission controller of that engine."""
-
-    name: str
-    engine: Any
-    admission: AdmissionController
-
-
-@dataclass
 class _RequestState:
     """What the gateway holds for one request (in ``ctx.extra["gateway"]``)."""
 
@@ -83,11 +84,20 @@ class _RequestState:
     timeout_s: Optional[float] = None
     idem_key: Optional[str] = None
     idem_request_id: Optional[str] = None
+    idem_run_id: Optional[str] = None
     reservation: Optional[Reservation] = None
     ticket: Optional[QueueTicket] = None
+    kv: Optional[KVCommitment] = None
     queue_time_s: Optional[float] = None
     first_output_at: Optional[float] = None
     served_model: Optional[str] = None
+
+    def release(self) -> None:
+        """Leave the queue and give back the committed KV blocks (idempotent)."""
+        if self.ticket is not None and self.ticket.active:
+            self.ticket.leave()
+        if self.kv is not None:
+            self.kv.release()
 
 
 class TenantGateway:
@@ -99,26 +109,23 @@ class TenantGateway:
         ledger: billing ledger, or None (no billing).
         store: idempotency store, or None (an ``Idempotency-Key`` header is then a 400).
         limiter: per-tenant rate limiter (a fresh one by default).
+        purge_interval_s: how often expired idempotency records are deleted.
     """
 
     def __init__(self, config: GatewayConfig, models: Mapping[str, Any], *,
                  ledger: Optional[BillingLedger] = None, store: Optional[IdempotencyStore] = None,
-                 limiter: Optional[TenantRateLimiter] = None) -> None:
+                 limiter: Optional[TenantRateLimiter] = None,
+                 purge_interval_s: float = PURGE_INTERVAL_S) -> None:
         self.config = config
         self.auth = Authenticator(config)
         self.limiter = limiter or TenantRateLimiter()
         self.ledger = ledger
         self.store = store
-        by_engine: dict[int, AdmissionController] = {}
-        self.models: dict[str, _Model] = {}
-        for name, engine in models.items():
-            admission = by_engine.get(id(engine))
-            if admission is None:
-                stats = engine.get_stats()
-                admission = by_engine[id(engine)] = AdmissionController.from_config(
-                    config.queue, kv_pool_tokens=stats.kv_blocks_total * engine.block_size,
-                    max_model_len=engine.max_model_len, block_size=engine.block_size)
-            self.models[name] = _Model(name, engine, admission)
+        self.router = ModelRouter(config, models, self.auth)
+        self._purger = None
+        if store is not None:
+            self._purger = PeriodicTask(store.purge_expired, purge_interval_s,
+                                        "llmserve-idempotency-purge").start()
 
     # ------------------------------------------------------------------ hooks
 
@@ -134,6 +141,13 @@ class TenantGateway:
         ctx.cache_salt = tenant.cache_salt
         ctx.priority = tenant.priority
         ctx.extra[_STATE] = _RequestState(tenant)
+
+    async def preadmit(self, ctx: RequestContext) -> None:
+        """Before parsing: concurrency cap, one request and the size's token estimate (429)."""
+        st: _RequestState = ctx.extra[_STATE]
+        with _as_openai():
+            st.reservation = self.limiter.reserve(st.tenant,
+                                                  estimate_tokens_from_bytes(ctx.body_bytes))
 
     async def prepare(self, ctx: RequestContext) -> None:
         """403 for a model the tenant may not use; 400 for a bad header; idempotency."""
@@ -153,10 +167,12 @@ class TenantGateway:
             stored = result.response
             ctx.replay = CapturedResponse(stored.status, dict(stored.headers), body=stored.body,
                                           events=stored.events, request_id=stored.request_id)
+            if st.reservation is not None:  # a replay costs a request, no tokens
+                self.limiter.settle(st.reservation, 0)
             self._log(ctx, st, status=stored.status, idempotency_key=key, replayed=True,
                       served_model=stored.headers.get("X-Served-By"))
             return
-        st.idem_key, st.idem_request_id = key, ctx.request_id
+        st.idem_key, st.idem_request_id, st.idem_run_id = key, ctx.request_id, result.run_id
         ctx.capture_response = True
 
     def _begin(self, tenant: str, key: str, ctx: RequestContext) -> Any:
@@ -172,13 +188,18 @@ class TenantGateway:
         """400 / 429 / 503 or admitted: picks the model, deadlines and priority."""
         st: _RequestState = ctx.extra[_STATE]
         with _as_openai():
-            primary = self.models.get(ctx.model or "")
+            primary = self.router.get(ctx.model)
             if primary is None:  # the server passes served names only
                 raise InvalidRequest(f"The model `{ctx.model}` is not served", param="model")
-            tokens = ctx.prompt_tokens + ctx.max_tokens * max(1, ctx.num_choices)
             primary.admission.check_request(ctx.longest_prompt_tokens, ctx.max_tokens)
-            st.reservation = self.limiter.reserve(st.tenant, tokens)
-            chosen, st.ticket = self._enter_queue(st.tenant, primary, ctx, tokens)
+            reserve = self.router.completion_reservation(st.tenant, ctx)
+            tokens = ctx.prompt_tokens + reserve * max(1, ctx.num_choices)
+            if st.reservation is None:  # a server that does not call preadmit
+                st.reservation = self.limiter.reserve(st.tenant, tokens)
+            else:
+                self.limiter.resize(st.reservation, tokens)
+            placement = self.router.enter(st.tenant, primary, ctx, tokens, reserve)
+        chosen, st.ticket, st.kv = placement.model, placement.ticket, placement.kv
         st.served_model = chosen.name
         if chosen.name != primary.name:
             ctx.served_model = chosen.name
@@ -208,41 +229,38 @@ class TenantGateway:
         if st.ticket is not None and st.ticket.active:
             waited = st.ticket.leave(timed_out=never_ran)
             st.queue_time_s = waited if st.queue_time_s is None else st.queue_time_s
+        st.release()
         usage = outcome.usage
-        prompt = 0 if never_ran else usage.prompt_tokens      # billed for what was computed
-        cached = 0 if never_ran else min(usage.cached_tokens, usage.prompt_tokens)
-        if st.reservation is not None:
-            self.limiter.settle(st.reservation, prompt + usage.completion_tokens)
+        if st.reservation is not None:  # every prompt token tokenized, every token generated
+            self.limiter.settle(st.reservation, max(ctx.prompt_tokens, usage.prompt_tokens)
+                                + usage.completion_tokens)
         response = outcome.response
-        status = outcome.http_status if outcome.http_status is not None else CLIENT_CLOSED_STATUS
         keep = (st.idem_key is not None and response is not None and response.status == 200
                 and outcome.status in ("completed", "aborted"))
-        reason = _finish_reason(outcome)
-        record = UsageRecord(
-            tenant=st.tenant.name, request_id=self._billing_id(ctx), model=ctx.model or "",
-            served_model=outcome.served_model or st.served_model or ctx.model or "",
-            fingerprint=outcome.fingerprint or "", prompt_tokens=prompt, cached_tokens=cached,
-            completion_tokens=usage.completion_tokens, finish_reason=reason, status=status,
-            created_at=ctx.arrival_time, finished_at=time.time(),
-            idempotency_key=st.idem_key if keep else None)
-        await asyncio.to_thread(self._store_outcome, st, ctx, record, response if keep else None)
-        self._log(ctx, st, status=status, finish_reason=reason, prompt_tokens=prompt,
-                  cached_tokens=cached, completion_tokens=usage.completion_tokens,
-                  fingerprint=outcome.fingerprint, served_model=record.served_model,
-                  idempotency_key=st.idem_key, error=outcome.error)
+        record = usage_record(ctx, outcome, tenant=st.tenant.name, served_model=st.served_model,
+                              idempotency_key=st.idem_key if keep else None,
+                              idempotency_run=st.idem_run_id if keep else None)
+        await asyncio.to_thread(write_outcome, self.ledger, self.store, record,
+                                key=st.idem_key, run_id=st.idem_run_id,
+                                request_id=st.idem_request_id, response=response if keep else None)
+        self._log(ctx, st, status=record.status, finish_reason=record.finish_reason,
+                  prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
+                  completion_tokens=usage.completion_tokens, fingerprint=outcome.fingerprint,
+                  served_model=record.served_model, idempotency_key=st.idem_key,
+                  error=outcome.error)
 
     async def on_reject(self, ctx: RequestContext, error: BaseException) -> None:
-        """Release the queue place, the rate-limit reservation and the idempotency claim."""
+        """Release the queue place, the KV commitment, the rate-limit reservation (charging
+        the prompt tokens already tokenized) and the idempotency claim."""
         st: Optional[_RequestState] = ctx.extra.get(_STATE)
         if st is None:
             return
-        if st.ticket is not None:
-            st.ticket.leave()
+        st.release()
         if st.reservation is not None:
-            self.limiter.settle(st.reservation, 0)
+            self.limiter.settle(st.reservation, ctx.prompt_tokens)
         if st.idem_key is not None and self.store is not None:
             await asyncio.to_thread(self.store.abandon, st.tenant.name, st.idem_key,
-                                    st.idem_request_id)
+                                    st.idem_request_id, st.idem_run_id)
         status = getattr(error, "status", None)
         if not isinstance(status, int):
             status = CLIENT_CLOSED_STATUS if isinstance(error, asyncio.CancelledError) or \
@@ -252,37 +270,6 @@ class TenantGateway:
 
     # ------------------------------------------------------------------ helpers
 
-    def _fallback(self, tenant: TenantConfig, primary: _Model, ctx: RequestContext,
-                  tokens: int) -> Optional[_Model]:
-        """The fallback model to serve an overloaded request, if the tenant may use one
-        and it can take the request now (its own static checks and queue)."""
-        name = self.auth.may_use_fallback(tenant, primary.name)
-        fallback = self.models.get(name) if name else None
-        if fallback is None or fallback.admission is primary.admission:
-            return None
-        try:
-            fallback.admission.check_request(ctx.longest_prompt_tokens, ctx.max_tokens)
-        except GatewayError:
-            return None  # fallback is for overload only, never to dodge a 400
-        return None if fallback.admission.would_overload(tokens) else fallback
-
-    def _enter_queue(self, tenant: TenantConfig, primary: _Model, ctx: RequestContext,
-                     tokens: int) -> tuple[_Model, QueueTicket]:
-        if primary.admission.would_overload(tokens):
-            fallback = self._fallback(tenant, primary, ctx, tokens)
-            if fallback is not None:
-                try:
-                    return fallback, fallback.admission.enter_queue(tokens)
-                except OverloadedError:
-                    pass
-        try:
-            return primary, primary.admission.enter_queue(tokens)
-        except OverloadedError:
-            fallback = self._fallback(tenant, primary, ctx, tokens)
-            if fallback is None:
-                raise
-            return fallback, fallback.admission.enter_queue(tokens)
-
     @staticmethod
     def _priority(tenant: TenantConfig, requested: Any) -> Any:
         """The request's priority: what it asked for, but never above its tenant's class."""
@@ -291,38 +278,6 @@ class TenantGateway:
         except ValueError:
             return tenant.priority
         return requested if rank >= tenant.priority_rank else tenant.priority
-
-    @staticmethod
-    def _billing_id(ctx: RequestContext) -> str:
-        """The ledger's request id: the server's id, made unique when the client chose it,
-        so that a reused client X-Request-Id can never suppress a usage record."""
-        if ctx.headers.get("x-request-id", "").strip() == ctx.request_id:
-            return f"{ctx.request_id}.{uuid.uuid4().hex[:12]}"
-        return ctx.request_id
-
-    def _store_outcome(self, st: _RequestState, ctx: RequestContext, record: UsageRecord,
-                       response: Optional[CapturedResponse]) -> None:
-        """Ledger first, then the idempotency record (worker thread): a crash in between
-        leaves a billed run whose key a retry may take over; the ledger's (tenant, key)
-        uniqueness then keeps that retry from being billed again."""
-        if self.ledger is not None:
-            try:
-                self.ledger.record(record)
-            except Exception:  # noqa: BLE001 - log loudly; the response still goes out
-                logger.exception("could not record usage of request %s", record.request_id)
-        if st.idem_key is None or self.store is None:
-            return
-        try:
-            if response is not None:
-                self.store.complete(st.tenant.name, st.idem_key, response.status,
-                                    body=response.body if response.events is None else None,
-                                    events=response.events, headers=response.headers,
-                                    request_id=st.idem_request_id)
-            else:
-                self.store.abandon(st.tenant.name, st.idem_key, st.idem_request_id)
-        except Exception:  # noqa: BLE001
-            logger.exception("could not store the idempotent response of request %s",
-                             ctx.request_id)
 
     def _log(self, ctx: RequestContext, st: Optional[_RequestState], **fields: Any) -> None:
         now = time.time()
@@ -341,21 +296,12 @@ class TenantGateway:
         log_request_summary(request_logger, **{k: v for k, v in base.items() if v is not None})
 
     def close(self) -> None:
-        """Close the SQLite connections (the server calls this at shutdown)."""
+        """Stop the purge thread and close the SQLite connections (at server shutdown)."""
+        if self._purger is not None:
+            self._purger.stop()
         for db in (self.ledger, self.store):
             if db is not None:
                 db.close()
-
-
-def _finish_reason(outcome: RequestOutcome) -> str:
-    reasons = sorted({r for r in outcome.finish_reasons if r is not None})
-    if len(reasons) == 1 and all(r is not None for r in outcome.finish_reasons):
-        return reasons[0]
-    if outcome.status == "aborted":
-        return "abort"
-    if not reasons:
-        return "error"
-    return ",".join(reasons)
 
 
 def build_gateway(config_path: str, engine: Any, *, fallback_engines: Optional[Mapping[str, Any]] = None,

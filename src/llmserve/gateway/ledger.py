@@ -4,15 +4,24 @@ Exactly-once billing rests on two uniqueness constraints of the ``usage`` table:
 
 * ``request_id`` is UNIQUE: recording the same request twice (a retry of the write, a
   crash between writing and acknowledging) inserts one row;
-* ``(tenant, idempotency_key)`` is UNIQUE where the key is not null (a partial unique
-  index): a client retry with the same Idempotency-Key that somehow ran again (say, its
-  first run's process crashed after billing) is never billed a second time.
+* ``(tenant, idempotency_key, idempotency_run)`` is UNIQUE where the key is not null (a
+  partial unique index): one *run* of a key -- the claim the idempotency store handed
+  out -- is billed at most once, while a key reused after its record expired is a new
+  run and is billed again (it really ran again). Records written without a run id
+  collide on ``(tenant, idempotency_key)`` alone, as before.
 
 ``record()`` uses ``INSERT ... ON CONFLICT DO NOTHING``: a duplicate returns False and
 never raises. A cancelled, timed-out or aborted request is recorded with the tokens
 actually computed (prompt tokens it prefilled, completion tokens it produced) and its
 finish reason. Timestamps are Unix epoch seconds (UTC); ``since`` filters on
-``finished_at``. The file may be shared with the idempotency store.
+``finished_at``. The file may be shared with the idempotency store; then
+:meth:`BillingLedger.insert` lets the store commit a usage record and the idempotent
+response in one transaction.
+
+The CSV export neutralises formula injection: a text cell that starts with ``=``,
+``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'`` (the OWASP
+recommendation), so a client-chosen Idempotency-Key such as ``=HYPERLINK(...)`` is
+shown as text by spreadsheet programs.
 
 Thread-safe; blocking (call it from a worker thread in async code).
 """
@@ -23,8 +32,9 @@ import dataclasses
 import datetime as dt
 import logging
 import os
+import sqlite3
 from dataclasses import dataclass
-from typing import IO, Optional, Union
+from typing import IO, Any, Optional, Union
 
 from llmserve.gateway.sqlite_db import SQLiteDatabase
 
@@ -47,17 +57,26 @@ CREATE TABLE IF NOT EXISTS usage (
     created_at REAL NOT NULL,
     finished_at REAL NOT NULL
 );
-CREATE UNIQUE INDEX IF NOT EXISTS usage_tenant_idempotency_key
-    ON usage (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS usage_finished_at ON usage (finished_at);
 """
 
+#: Replaces the (tenant, idempotency_key) index of ledgers written before run ids existed.
+_RUN_INDEX = """
+DROP INDEX IF EXISTS usage_tenant_idempotency_key;
+CREATE UNIQUE INDEX IF NOT EXISTS usage_tenant_idempotency_run
+    ON usage (tenant, idempotency_key, COALESCE(idempotency_run, ''))
+    WHERE idempotency_key IS NOT NULL;
+"""
+
+#: First characters that make a spreadsheet treat a CSV cell as a formula.
+_FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+
 _COLUMNS = ("tenant", "request_id", "idempotency_key", "model", "served_model", "fingerprint",
             "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "status",
-            "created_at", "finished_at")
+            "created_at", "finished_at", "idempotency_run")
 
 #: Columns of ``export_csv``, in order; timestamps as ISO-8601 UTC.
-CSV_COLUMNS = ("record_id",) + _COLUMNS[:9] + ("total_tokens",) + _COLUMNS[9:]
+CSV_COLUMNS = ("record_id",) + _COLUMNS[:9] + ("total_tokens",) + _COLUMNS[9:13]
 
 Since = Union[str, dt.date, dt.datetime, float, int, None]
 
@@ -84,6 +103,7 @@ class UsageRecord:
     idempotency_key: Optional[str] = None
     served_model: Optional[str] = None
     record_id: Optional[int] = None
+    idempotency_run: Optional[str] = None   # the idempotency store's run id of the key
 
     def __post_init__(self) -> None:
         for name in ("tenant", "request_id", "model", "finish_reason"):
@@ -141,6 +161,22 @@ def _iso(epoch: float) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
+def csv_safe(value: Any) -> Any:
+    """A CSV cell that no spreadsheet evaluates: text starting with ``= + - @``, a tab or a
+    carriage return gets a leading single quote; other values are returned unchanged."""
+    if isinstance(value, str) and value.startswith(_FORMULA_PREFIXES):
+        return "'" + value
+    return value
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a ledger written by an older version up to the current schema (idempotent)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+    if "idempotency_run" not in columns:
+        conn.execute("ALTER TABLE usage ADD COLUMN idempotency_run TEXT")
+    conn.executescript(_RUN_INDEX)
+
+
 class BillingLedger:
     """Usage records in the ``usage`` table of a SQLite file (WAL mode).
 
@@ -152,6 +188,7 @@ class BillingLedger:
         self._db = SQLiteDatabase(db_path, synchronous=synchronous)
         with self._db.connection() as conn:
             conn.executescript(_SCHEMA)
+            _migrate(conn)
 
     @property
     def path(self) -> str:
@@ -159,18 +196,26 @@ class BillingLedger:
 
     def record(self, usage: UsageRecord) -> bool:
         """Insert a usage record; False (and nothing written) when it duplicates an existing
-        ``request_id`` or ``(tenant, idempotency_key)``."""
-        values = [getattr(usage, c) for c in _COLUMNS]
+        ``request_id`` or ``(tenant, idempotency_key, idempotency_run)``."""
         with self._db.connection() as conn:
-            cursor = conn.execute(
-                f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
-                "ON CONFLICT DO NOTHING",
-                values,
-            )
-            inserted = cursor.rowcount == 1
+            return self.insert(conn, usage)
+
+    @staticmethod
+    def insert(conn: sqlite3.Connection, usage: UsageRecord) -> bool:
+        """Insert ``usage`` with the caller's connection (e.g. inside the idempotency
+        store's transaction, so that the record and the stored response commit together).
+        Returns False for a duplicate, as :meth:`record` does."""
+        values = [getattr(usage, c) for c in _COLUMNS]
+        cursor = conn.execute(
+            f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
+            "ON CONFLICT DO NOTHING",
+            values,
+        )
+        inserted = cursor.rowcount == 1
         if not inserted:
-            logger.info("usage for request %s (tenant %s, idempotency key %r) already recorded; not billed again",
-                        usage.request_id, usage.tenant, usage.idempotency_key)
+            logger.info("usage for request %s (tenant %s, idempotency key %r, run %s) already "
+                        "recorded; not billed again", usage.request_id, usage.tenant,
+                        usage.idempotency_key, usage.idempotency_run)
         return inserted
 
     def count(self) -> int:
@@ -199,7 +244,9 @@ class BillingLedger:
 
     def export_csv(self, stream: IO[str], since: Since = None, tenant: Optional[str] = None,
                    until: Since = None) -> int:
-        """Write matching records as CSV (header row, columns ``CSV_COLUMNS``); returns the row count."""
+        """Write matching records as CSV (header row, columns ``CSV_COLUMNS``); returns the row count.
+
+        Text cells are passed through :func:`csv_safe` (formula injection)."""
         writer = csv.writer(stream, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
         rows = self.records(since=since, tenant=tenant, until=until)
@@ -208,7 +255,7 @@ class BillingLedger:
             fields["total_tokens"] = rec.total_tokens
             fields["created_at"] = _iso(rec.created_at)
             fields["finished_at"] = _iso(rec.finished_at)
-            writer.writerow(["" if fields[c] is None else fields[c] for c in CSV_COLUMNS])
+            writer.writerow(["" if fields[c] is None else csv_safe(fields[c]) for c in CSV_COLUMNS])
         return len(rows)
 
     def close(self) -> None:

@@ -17,7 +17,13 @@ Lifecycle of one request::
 neither); ``settle`` refunds the unused tokens (or charges the overrun) and releases
 the tenant's concurrency slot. Settle every reservation exactly once; a second call is
 ignored. A request that was rejected after reserving (e.g. 503 at admission) is settled
-with 0 tokens: its tokens come back, the request still counts against the rpm.
+with the tokens it cost (the gateway charges the prompt tokens it tokenized, 0 before
+that): the rest come back, the request still counts against the rpm.
+
+A reservation can be taken early, before the body is parsed, for a lower-bound
+estimate (see ``estimate_tokens_from_bytes``), and grown later to the real amount with
+``resize`` -- so a tenant whose budget is spent is refused before any parsing or
+tokenization, and concurrent large requests each take their share at once.
 
 Thread-safe (one lock); the clock is injectable for tests.
 """
@@ -33,6 +39,17 @@ from llmserve.gateway.errors import InvalidRequest, RateLimitError
 
 #: Retry-After for a tenant at its concurrency cap (when one of its requests ends is unknown).
 CONCURRENCY_RETRY_AFTER_S = 1.0
+#: Body bytes per token of the early estimate: a lower bound for ordinary text (English
+#: averages ~4 bytes per token and JSON adds quotes), so honest requests are not refused
+#: on the estimate; the exact count is charged once the prompt is tokenized.
+BYTES_PER_TOKEN_ESTIMATE = 8
+
+
+def estimate_tokens_from_bytes(body_bytes: "int | None") -> int:
+    """A conservative (low) estimate of the prompt tokens in a request body of this size."""
+    if not body_bytes or body_bytes < 0:
+        return 0
+    return body_bytes // BYTES_PER_TOKEN_ESTIMATE
 
 
 class TokenBucket:
@@ -71,6 +88,15 @@ class TokenBucket:
 
     def give_back(self, amount: float) -> None:
         self.level = min(self.capacity, self.level + amount)
+
+
+def _too_many_tokens(tokens: int, bucket: TokenBucket) -> InvalidRequest:
+    return InvalidRequest(
+        f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
+        f"the {int(bucket.capacity)} tokens per minute the tenant's token bucket holds; "
+        "reduce max_tokens or the prompt",
+        code="tokens_per_minute_exceeded", param="max_tokens",
+    )
 
 
 @dataclass
@@ -136,12 +162,7 @@ class TenantRateLimiter:
             now = self._clock() if now is None else now
             state = self._state(tenant, now)
             if state.tokens is not None and tokens > state.tokens.capacity:
-                raise InvalidRequest(
-                    f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
-                    f"the {int(state.tokens.capacity)} tokens per minute the tenant's token bucket holds; "
-                    "reduce max_tokens or the prompt",
-                    code="tokens_per_minute_exceeded", param="max_tokens",
-                )
+                raise _too_many_tokens(tokens, state.tokens)
             if state.max_concurrent is not None and state.in_flight >= state.max_concurrent:
                 raise RateLimitError(
                     f"Too many concurrent requests for tenant {tenant.name!r} "
@@ -168,6 +189,37 @@ class TenantRateLimiter:
                 state.tokens.take(tokens)
             state.in_flight += 1
             return Reservation(tenant=tenant.name, tokens=tokens, created_at=now)
+
+    def resize(self, reservation: Reservation, tokens: int, now: Optional[float] = None) -> None:
+        """Grow (or shrink) a reservation to ``tokens`` tokens, e.g. from the early size
+        estimate to prompt + max_tokens once the prompt is tokenized.
+
+        Raises (and changes nothing):
+            InvalidRequest (400): ``tokens`` exceeds the tenant's whole token bucket.
+            RateLimitError (429): the extra tokens are not available now.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be a non-negative integer, got {tokens!r}")
+        with self._lock:
+            state = self._states.get(reservation.tenant)
+            if reservation.settled or state is None or state.tokens is None:
+                reservation.tokens = tokens
+                return
+            bucket = state.tokens
+            if tokens > bucket.capacity:
+                raise _too_many_tokens(tokens, bucket)
+            extra = tokens - reservation.tokens
+            bucket.refill(self._clock() if now is None else now)
+            if extra > 0:
+                wait = bucket.wait_time(extra)
+                if wait > 0:
+                    raise RateLimitError(
+                        f"Rate limit reached for tenant {reservation.tenant!r} (tokens per "
+                        f"minute); retry in {wait:.1f}s", wait)
+                bucket.take(extra)
+            else:
+                bucket.give_back(-extra)
+            reservation.tokens = tokens
 
     def settle(self, reservation: Reservation, actual_tokens: int, now: Optional[float] = None) -> int:
         """Settle a reservation to the tokens actually used and free its concurrency slot.

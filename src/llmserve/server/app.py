@@ -28,7 +28,8 @@ from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.openapi import install_openapi
-from llmserve.server.serving import DEFAULT_MAX_BODY_BYTES, OpenAIServing
+from llmserve.server.server_limits import ServerLimits
+from llmserve.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,10 @@ def create_app(
     *,
     served_model_names: Optional[Sequence[str]] = None,
     gateway: Any = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: Optional[int] = None,
     engines: Optional[Mapping[str, Any]] = None,
-    limits: Optional[RequestLimits] = None,
+    limits: Optional[ServerLimits] = None,
+    input_limits: Optional[RequestLimits] = None,
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
 
@@ -50,11 +52,15 @@ def create_app(
             default for requests without one. Defaults to ``[engine.model_name]``.
         gateway: optional tenant/auth/admission hook, see
             :mod:`llmserve.server.gateway_hook`.
-        max_body_bytes: largest request body accepted (413 above).
+        max_body_bytes: largest request body accepted (413 above); overrides
+            ``limits.max_body_bytes``.
         engines: more served models in the same process, served name -> engine (e.g.
             a fallback model the gateway routes to). ``engine`` stays the default.
-        limits: bounds on the request's inputs (stop strings, messages, prompt bytes
-            ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
+        limits: body size, body read timeout and tokenizer threads
+            (:class:`~llmserve.server.server_limits.ServerLimits`; the connection-level
+            limits are applied by :func:`~llmserve.server.launch.build_server`).
+        input_limits: bounds on the request's inputs (stop strings, messages, prompt
+            bytes ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -63,9 +69,9 @@ def create_app(
     """
     names = list(served_model_names) if served_model_names else [engine.model_name]
     metrics = ServerMetrics(engine, names[0], engine.fingerprint)
-    limits = limits or DEFAULT_LIMITS
+    input_limits = input_limits or DEFAULT_LIMITS
     serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
-                            limits=limits)
+                            limits=limits, input_limits=input_limits)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)
@@ -151,6 +157,6 @@ def create_app(
 
     distinct = list({id(e): e for e in all_engines.values()}.values())
     vocab = [getattr(e.tokenizer, "vocab_size", None) for e in distinct]
-    install_openapi(app, limits, max(e.max_model_len for e in distinct),
+    install_openapi(app, input_limits, max(e.max_model_len for e in distinct),
                     max(vocab) if all(isinstance(v, int) for v in vocab) else None)
     return app

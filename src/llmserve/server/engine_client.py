@@ -94,6 +94,12 @@ class EngineClient(Protocol):
         """
         ...
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; must be idempotent and ignore unknown ids."""
+    async def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Abort a request; must be idempotent and ignore unknown ids.
+
+        May return the request's final output once its KV blocks are free (AsyncLLM
+        does, also for an abort its stream's closing already sent): the server then
+        bills from its ``metrics.first_scheduled_time`` and times the wait
+        (``llmserve_cancel_to_kv_freed_seconds``). Returning None is allowed.
+        """
         ...

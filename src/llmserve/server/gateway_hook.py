@@ -8,16 +8,25 @@ function or a coroutine function. For each generation request the server calls:
    ``ctx.client``, ``ctx.endpoint``, ``ctx.request_id`` and ``ctx.arrival_time`` are set.
    Raise :class:`~llmserve.server.errors.OpenAIError` (401/403) to reject. May set
    ``ctx.tenant``, ``ctx.cache_salt``, ``ctx.priority``, ``ctx.deadline``.
+1b. ``preadmit(ctx)`` -- admission before any work, from the raw size only:
+   ``ctx.body_bytes`` is set. Called before the body is read when the client declared
+   ``Content-Length``, else right after reading it (the read is capped by the
+   server's ``max_body_bytes``); never after parsing. Raise OpenAIError (429 with
+   ``Retry-After``, 413, ...) to reject: rate limits and size caps go here, so a tenant
+   whose budget is spent costs no parsing and no tokenization.
 2. the server parses and validates the body and resolves the model (4xx errors end
    the request here).
 3. ``prepare(ctx)`` -- now ``model``, ``user``, ``stream`` and ``raw_body`` are set.
    Check what the request asks for (403), claim an idempotency key (409/422), or set
    ``ctx.replay`` to a :class:`CapturedResponse`: the server then sends that response
    as it is (JSON body, or the stored SSE events) and calls no further hook.
-4. the server tokenizes the prompt(s) and checks the context length.
+4. the server tokenizes the prompt(s) (on threads shared fairly by ``ctx.tenant``)
+   and checks the context length; ``prompt_tokens`` and ``longest_prompt_tokens`` are
+   set as soon as the prompt is tokenized, so ``on_reject`` can charge for it.
 5. ``admit(ctx)`` -- now ``prompt_tokens``, ``longest_prompt_tokens``, ``max_tokens``
-   and ``num_choices`` are known and ``priority`` holds the body's value (or what an
-   earlier hook put there). Raise OpenAIError (429 with a ``Retry-After`` header,
+   (``max_tokens_requested`` is None when the client did not set one and
+   ``max_tokens`` is the rest of the context), and ``num_choices`` are known and
+   ``priority`` holds the body's value (or what an earlier hook put there). Raise OpenAIError (429 with a ``Retry-After`` header,
    503, ...) to reject; or adjust ``priority``, ``cache_salt``, ``deadline``,
    ``queue_deadline``, which are then passed to ``engine.generate``, and
    ``served_model`` to serve the request with another served model (a fallback).
@@ -33,9 +42,9 @@ function or a coroutine function. For each generation request the server calls:
 
 ``on_reject(ctx, error)`` is called exactly once for every generation request whose
 ``authenticate`` returned but that was neither admitted nor replayed: an error in
-any of steps 2-5 (including one raised by ``prepare`` or ``admit`` themselves), so a
-gateway can release what it holds for the request (an idempotency claim, a rate-limit
-reservation) in one place.
+any of steps 1b-5 (including one raised by ``preadmit``, ``prepare`` or ``admit``
+themselves), so a gateway can release what it holds for the request (an idempotency
+claim, a rate-limit reservation) in one place.
 
 ``GET /v1/models`` calls ``authenticate`` only. ``/health``, ``/ready`` and
 ``/metrics`` call no hook.
@@ -102,9 +111,11 @@ class RequestContext:
     user: Optional[str] = None           # the body's "user" field
     stream: bool = False
     raw_body: bytes = b""                # the request body as received (valid JSON)
+    body_bytes: Optional[int] = None     # declared Content-Length, else the body's length
     prompt_tokens: int = 0               # over all prompts of the request
     longest_prompt_tokens: int = 0       # the longest single prompt
     max_tokens: int = 0                  # per choice, after filling the context
+    max_tokens_requested: Optional[int] = None  # what the client asked for (None: not set)
     num_choices: int = 0                 # prompts x n
     # Written by the gateway:
     tenant: Optional[str] = None
@@ -126,7 +137,11 @@ class RequestOutcome:
     client went away first) or ``"error"`` (the engine or the server failed, or every
     choice ended without a token, e.g. ``queue_timeout``, and an error was sent).
     ``finish_reasons`` are the engine's reasons per choice index (``None`` for a
-    choice that never finished); ``usage`` counts the tokens actually generated.
+    choice that never finished); ``usage`` is what the engine computed: the prompt (and
+    cached) tokens of the prompts it scheduled -- 0 for a request that ended before it
+    was scheduled, whatever ended it -- and the tokens generated. ``http_status`` is
+    None when the client went away before any response, with or without a response
+    kept for replay.
     """
 
     status: str
@@ -145,6 +160,9 @@ class Gateway:
 
     async def authenticate(self, ctx: RequestContext) -> None:
         """Identify the caller from ``ctx.headers``; raise OpenAIError(401) to reject."""
+
+    async def preadmit(self, ctx: RequestContext) -> None:
+        """Rate-limit / size-check a request from ``ctx.body_bytes`` before it is parsed."""
 
     async def prepare(self, ctx: RequestContext) -> None:
         """Check a parsed request (403), claim its idempotency key or set ``ctx.replay``."""

@@ -6,6 +6,15 @@ feeds the latency metrics, tells the gateway when the engine first scheduled it
 (``on_started``), and -- exactly once, in :meth:`GenerationRun.finish` -- aborts
 whatever is still running in the engine, releases the request ids and tells the
 gateway how the request ended (``on_complete``, awaited).
+
+What the engine *computed* is tracked per prompt: a prompt counts once the engine
+reports it scheduled (``RequestMetrics.first_scheduled_time``, or a token). A prompt
+whose request ended before it was ever scheduled (a deadline or queue deadline that
+passed in the queue, a client that left while it waited) computed nothing. For a
+request cut short, the engine's answer to the abort (its final output, returned by
+``engine.abort`` once the KV blocks are free) says whether it had been scheduled, and
+the time from the cancel to that answer is observed as
+``llmserve_cancel_to_kv_freed_seconds``.
 """
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ from llmserve.server.metrics import RequestTimer, ServerMetrics
 logger = logging.getLogger(__name__)
 
 _END = object()
+#: Longest wait for the engine to confirm an abort before the request is ended anyway.
+ABORT_CONFIRM_TIMEOUT_S = 10.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,8 +111,11 @@ class GenerationRun:
         self.prompt_tokens = [len(p) for p in prompts]
         self.cached_tokens = [0] * len(prompts)
         self.unfinished = set(range(len(prompts)))
+        #: per prompt: the engine scheduled it (True), never did (False), unknown (None)
+        self.scheduled: list[Optional[bool]] = [None] * len(prompts)
         self.started = False
         self._finished = False
+        self._aborted: set[int] = set()
         metrics.in_progress.inc()
 
     # -- engine side -------------------------------------------------------------------
@@ -178,7 +192,11 @@ class GenerationRun:
         except RequestFailedError as exc:
             raise request_failed_to_openai(exc) from None
         finally:
-            await source.aclose()
+            try:
+                await source.aclose()
+            finally:
+                if self.unfinished:  # cut short (cancelled, client gone, failed)
+                    await self.abort_unfinished()
         if self.unfinished:
             # The engine ended a stream without a final output: it aborted the request.
             logger.warning("engine streams %s ended without finishing; treating as aborted",
@@ -204,8 +222,25 @@ class GenerationRun:
             self.started = True
             notify_started(self.gateway, self.ctx)
 
+    def _note_scheduled(self, prompt_idx: int, out: RequestOutput) -> None:
+        """Update whether the engine scheduled this prompt from one of its outputs."""
+        if self.scheduled[prompt_idx]:
+            return
+        m = out.metrics
+        if (m is not None and m.first_scheduled_time is not None) or \
+                any(c.num_tokens or c.token_ids for c in out.outputs):
+            self.scheduled[prompt_idx] = True
+        elif out.finished:
+            if m is not None:
+                self.scheduled[prompt_idx] = False
+            else:  # an engine that reports no metrics: only a queue timeout ran nothing
+                reasons = [c.finish_reason for c in out.outputs]
+                self.scheduled[prompt_idx] = not (reasons and all(
+                    str(getattr(r, "value", r)) == "queue_timeout" for r in reasons))
+
     def _apply(self, prompt_idx: int, out: RequestOutput, now: float) -> list[ChoiceDelta]:
         self._note_started(out)
+        self._note_scheduled(prompt_idx, out)
         changed = []
         for c in out.outputs:
             if not 0 <= c.index < self.n:
@@ -243,18 +278,52 @@ class GenerationRun:
         """Every engine request has sent its final output."""
         return not self.unfinished
 
-    def usage(self) -> Usage:
-        """Tokens so far: prompts counted once each (not once per choice)."""
-        return Usage(prompt_tokens=sum(self.prompt_tokens),
+    def usage(self, computed: bool = False) -> Usage:
+        """Tokens so far: prompts counted once each (not once per choice).
+
+        ``computed``: only the prompts the engine scheduled (an unknown one counts), i.e.
+        what the engine actually computed -- what the gateway bills.
+        """
+        prompts = [i for i in range(len(self.prompts))
+                   if not computed or self.scheduled[i] is not False]
+        return Usage(prompt_tokens=sum(self.prompt_tokens[i] for i in prompts),
                      completion_tokens=sum(c.num_tokens for c in self.choices),
-                     cached_tokens=sum(self.cached_tokens))
+                     cached_tokens=sum(self.cached_tokens[i] for i in prompts))
+
+    async def abort_unfinished(self) -> None:
+        """Abort every prompt still in the engine and wait for the engine to confirm.
+
+        An engine whose ``abort`` returns the request's final output (the KV blocks are
+        free when it does) tells whether the prompt was ever scheduled; the wait is
+        observed as ``llmserve_cancel_to_kv_freed_seconds``. Idempotent.
+        """
+        for i in sorted(self.unfinished - self._aborted):
+            self._aborted.add(i)
+            started = time.monotonic()
+            try:
+                final = await asyncio.wait_for(self.engine.abort(self.engine_ids[i]),
+                                               ABORT_CONFIRM_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - best effort; the stream close aborts too
+                logger.exception("engine.abort(%s) failed", self.engine_ids[i])
+                continue
+            if isinstance(final, RequestOutput):
+                self.metrics.admission.cancel_to_kv_freed.observe(time.monotonic() - started)
+                self._note_scheduled(i, final)
+                if self.scheduled[i] and final.num_cached_tokens:
+                    self.cached_tokens[i] = final.num_cached_tokens
 
     def terminal_check(self) -> Optional[OpenAIError]:
-        """See :func:`llmserve.server.responses.terminal_error`."""
+        """See :func:`llmserve.server.responses.terminal_error`; a terminal error is
+        counted in ``llmserve_requests_rejected_total``."""
         from llmserve.server.responses import terminal_error
 
-        return terminal_error([c.finish_reason for c in self.choices],
-                              [c.num_tokens for c in self.choices])
+        err = terminal_error([c.finish_reason for c in self.choices],
+                             [c.num_tokens for c in self.choices])
+        if err is not None:
+            self.metrics.admission.count_rejected(err.status, err.code)
+        return err
 
     async def consume(self) -> "GenerationRun":
         """Run to completion (non-streaming); returns self."""
@@ -262,25 +331,32 @@ class GenerationRun:
             pass
         return self
 
+    @staticmethod
+    def _http_status(status: str, given: Optional[int],
+                     response: Optional[CapturedResponse]) -> Optional[int]:
+        if given is not None:
+            return given
+        if status == "aborted" or response is None:
+            return None
+        return response.status
+
     async def finish(self, status: str, error: Optional[str] = None,
                      response: Optional[CapturedResponse] = None,
                      http_status: Optional[int] = None) -> None:
         """End the request exactly once: abort leftovers, release ids, notify the gateway.
 
         ``status``: "completed", "aborted" (client went away) or "error"; ``response``:
-        the response as sent (given to the gateway when ``ctx.capture_response``);
-        ``http_status``: the status sent (default ``response.status``; None when the
-        client went away before any response).
+        the response as sent (given to the gateway when ``ctx.capture_response``; for
+        a client that went away, the partial response stored for replay);
+        ``http_status``: the status sent (default ``response.status``, but None for
+        "aborted": the client went away before any response, whether or not a partial
+        response is kept for replay).
         """
         if self._finished:
             return
         self._finished = True
         try:
-            for i in sorted(self.unfinished):
-                try:
-                    await self.engine.abort(self.engine_ids[i])
-                except Exception:  # noqa: BLE001 - best effort; the stream close aborts too
-                    logger.exception("engine.abort(%s) failed", self.engine_ids[i])
+            await self.abort_unfinished()
         finally:
             self._release_ids(self.engine_ids)
             self.metrics.in_progress.dec()
@@ -288,12 +364,11 @@ class GenerationRun:
                 self.metrics.client_disconnects.inc()
             elif status == "completed":
                 self.timer.on_request_done()
-            outcome = RequestOutcome(status=status, usage=self.usage(),
+            outcome = RequestOutcome(status=status, usage=self.usage(computed=True),
                                      finish_reasons=[c.finish_reason for c in self.choices],
                                      error=error, served_model=self.served_model,
                                      fingerprint=getattr(self.engine, "fingerprint", None),
                                      started=self.started,
-                                     http_status=http_status if http_status is not None else (
-                                         response.status if response is not None else None),
+                                     http_status=self._http_status(status, http_status, response),
                                      response=response if self.ctx.capture_response else None)
             await notify_complete(self.gateway, self.ctx, outcome)

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import uvicorn
 
 from llmserve.server.app import create_app
+from llmserve.server.server_limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -19,21 +20,27 @@ def build_server(
     *,
     access_log: bool = True,
     timeout_graceful_shutdown: Optional[int] = 5,
+    limits: Optional[ServerLimits] = None,
     **app_kwargs: Any,
 ) -> uvicorn.Server:
     """A configured (not yet running) uvicorn Server for ``engine``.
 
-    ``app_kwargs`` go to :func:`~llmserve.server.app.create_app` (``served_model_names``,
-    ``gateway``, ``max_body_bytes``).
+    ``limits`` (default :class:`~llmserve.server.server_limits.ServerLimits`) sets the
+    connection cap, keep-alive and header timeouts, the largest request head, and goes
+    to the app for the body limits. ``app_kwargs`` go to
+    :func:`~llmserve.server.app.create_app` (``served_model_names``, ``gateway``,
+    ``max_body_bytes``).
 
     Call ``server.run()`` to serve in the calling thread, or run it in a background
     thread and set ``server.should_exit = True`` to stop it (signal handlers are
     installed only on the main thread).
     """
-    app = create_app(engine, **app_kwargs)
+    limits = limits or ServerLimits()
+    app = create_app(engine, limits=limits, **app_kwargs)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, workers=1, access_log=access_log,
-        lifespan="on", timeout_graceful_shutdown=timeout_graceful_shutdown)
+        lifespan="on", timeout_graceful_shutdown=timeout_graceful_shutdown,
+        **limits.uvicorn_kwargs())
     return uvicorn.Server(config)
 
 

@@ -23,7 +23,7 @@ MAX_CHOICES_PER_REQUEST = 128
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Per-request input bounds (``create_app(limits=...)``); each must be >= 1."""
+    """Per-request input bounds (``create_app(input_limits=...)``); each must be >= 1."""
 
     max_messages: int = 1024             # chat messages per request
     max_content_parts: int = 128         # content parts per message

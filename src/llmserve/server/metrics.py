@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmserve.protocol import RequestMetrics
+from llmserve.server.metrics_admission import AdmissionMetrics, PrefixCacheNamespaceCollector
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,20 @@ class ServerMetrics:
                                  LABELS, registry=reg).labels(*lv)
         self._engine_stats = EngineStatsCollector(engine, lv)
         reg.register(self._engine_stats)
+        self._install_admission_metrics(engine)
+
+    def _install_admission_metrics(self, engine: Any) -> None:
+        """Rejections, cancel-to-KV-freed latency, per-namespace prefix-cache counters
+        (:mod:`llmserve.server.metrics_admission`)."""
+        self.admission = AdmissionMetrics(self.registry, LABELS, self.label_values)
+        self._prefix_namespaces = PrefixCacheNamespaceCollector(LABELS)
+        self._prefix_namespaces.add(engine, self.label_values)
+        self.registry.register(self._prefix_namespaces)
 
     def add_engine(self, engine: Any, model_name: str, fingerprint: str) -> None:
         """Export the engine gauges and counters of another served engine as well."""
         self._engine_stats.add(engine, (model_name, short_version(fingerprint)))
+        self._prefix_namespaces.add(engine, (model_name, short_version(fingerprint)))
 
     def count_success(self, finished_reason: str) -> None:
         self._success.labels(*self.label_values, str(finished_reason)).inc()

@@ -1,11 +1,14 @@
 """The request path of /v1/chat/completions and /v1/completions.
 
-authenticate (gateway) -> read + validate body -> resolve model -> prepare (gateway;
-may answer with a stored response) -> tokenize (in a worker thread) -> context-length
-check -> SamplingParams -> reserve engine ids -> admit (gateway; may pick another
-served model) -> GenerationRun on that model's engine -> SSE stream or JSON body.
-An authenticated request that fails before admission is reported to the gateway's
-``on_reject``. See :mod:`llmserve.server.gateway_hook`.
+authenticate (gateway) -> size check and preadmit (gateway: rate limits from the raw
+size, before the body is parsed) -> read body (size cap, read timeout) -> validate
+body -> resolve model -> prepare (gateway; may answer with a stored response) ->
+tokenize (worker threads shared fairly among tenants) -> context-length check ->
+SamplingParams -> reserve engine ids -> admit (gateway; may pick another served model)
+-> GenerationRun on that model's engine -> SSE stream or JSON body. An authenticated
+request that fails before admission is reported to the gateway's ``on_reject``; every
+error answer is counted in ``llmserve_requests_rejected_total``. See
+:mod:`llmserve.server.gateway_hook` and :mod:`llmserve.server.limits`.
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
@@ -22,9 +24,11 @@ from fastapi.responses import JSONResponse
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import OpenAIError, bad_request, value_error_to_openai
+from llmserve.server.fair_pool import FairThreadPool
 from llmserve.server.gateway_hook import CapturedResponse, RequestContext, call_hook, notify
 from llmserve.server.generation import GenerationRun
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
+from llmserve.server.server_limits import ServerLimits
 from llmserve.server.metrics import RequestTimer, ServerMetrics
 from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatCompletionRequest,
                                              CompletionRequest, make_sampling_params,
@@ -38,7 +42,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Largest request body accepted (bytes); a 128k-token id list is about 1 MiB of JSON.
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = ServerLimits().max_body_bytes
 #: Bodies larger than this are decoded and validated in a worker thread.
 _PARSE_INLINE_BYTES = 64 * 1024
 #: Response header set on a response replayed from the idempotency store.
@@ -61,19 +65,39 @@ def replay_response(stored: CapturedResponse) -> Any:
     return JSONResponse(stored.body, status_code=stored.status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body, or a 413 once it exceeds ``limit`` bytes."""
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"Request body too large (limit {limit} bytes)", code="request_too_large")
+
+
+def declared_length(request: Request) -> Optional[int]:
+    """The body size the client declared in ``Content-Length`` (None if absent or malformed)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"Request body too large (limit {limit} bytes)",
-                          code="request_too_large")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
+async def read_body(request: Request, limit: int, timeout_s: Optional[float] = None,
+                    started: Optional[float] = None) -> bytes:
+    """The whole request body, or a 413 once it exceeds ``limit`` bytes, or a 408
+    (``body_read_timeout``, with ``Connection: close``) when it has not fully arrived
+    ``timeout_s`` seconds after ``started`` (``time.monotonic()``, default now)."""
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
+        raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"Request body too large (limit {limit} bytes)",
-                              code="request_too_large")
-        chunks.append(chunk)
+    remaining = None
+    if timeout_s is not None:
+        remaining = max(0.0, (time.monotonic() if started is None else started) + timeout_s
+                        - time.monotonic())
+    try:
+        async with asyncio.timeout(remaining):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"The request body did not arrive within {timeout_s:g} s",
+                          code="body_read_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -81,9 +105,10 @@ class OpenAIServing:
     """Serves the two generation endpoints for one engine."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics, served_model_names: Sequence[str],
-                 gateway: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 gateway: Any = None, max_body_bytes: Optional[int] = None,
                  engines: Optional[Mapping[str, Any]] = None,
-                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
+                 limits: Optional[ServerLimits] = None,
+                 input_limits: RequestLimits = DEFAULT_LIMITS) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
@@ -96,17 +121,19 @@ class OpenAIServing:
             self.engines[name] = other
         self.served_model_names = list(self.engines)
         self.gateway = gateway
-        self.max_body_bytes = max_body_bytes
-        self.limits = limits
+        self.limits = (limits or ServerLimits()).replace(max_body_bytes=max_body_bytes)
+        self.max_body_bytes = self.limits.max_body_bytes
+        self.input_limits = input_limits
         self._inflight: set[str] = set()
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmserve-tokenize")
+        self._pool = FairThreadPool(self.limits.tokenizer_threads)
 
     def close(self) -> None:
         """Stop the tokenizer threads."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _in_thread(self, ctx: RequestContext, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work on the pool, in the line of the request's tenant (or client)."""
+        return await self._pool.run(ctx.tenant or ctx.client or "", fn, *args)
 
     # -- steps ---------------------------------------------------------------------
 
@@ -194,17 +221,20 @@ class OpenAIServing:
             headers={k.lower(): v for k, v in request.headers.items()},
             client=request.client.host if request.client else None,
             arrival_time=state.get("arrival_time", time.time()))
-        await call_hook(self.gateway, "authenticate", ctx)
+        try:
+            await call_hook(self.gateway, "authenticate", ctx)
+        except OpenAIError as err:
+            self.metrics.admission.count_rejected(err.status, err.code)
+            raise
         engine_ids: list[str] = []
         try:
-            req, prompts, params, max_tokens = await self._prepare(request, ctx, chat=chat)
+            req, prompts, params, max_tokens = await self._prepare(request, ctx, arrival,
+                                                                   chat=chat)
             if ctx.replay is not None:
                 if ctx.replay.request_id:
                     state["response_request_id"] = ctx.replay.request_id
                 return replay_response(ctx.replay)
             ctx.request_id, engine_ids = self._reserve_ids(request_id, len(prompts))
-            ctx.prompt_tokens = sum(len(p) for p in prompts)
-            ctx.longest_prompt_tokens = max(len(p) for p in prompts)
             ctx.max_tokens, ctx.num_choices = max_tokens, len(prompts) * params.n
             if req.priority is not None:
                 ctx.priority = req.priority
@@ -215,24 +245,47 @@ class OpenAIServing:
                                   code="internal_error")
         except BaseException as exc:
             self._release_ids(engine_ids)
+            if isinstance(exc, OpenAIError):
+                self.metrics.admission.count_rejected(exc.status, exc.code)
             await notify(self.gateway, "on_reject", ctx, exc)
             raise
         return await self._run(request, ctx, prompts, params, engine_ids, served, chat=chat,
                                req=req, arrival=arrival)
 
-    async def _prepare(self, request: Request, ctx: RequestContext, *, chat: bool
-                       ) -> tuple[Any, list[list[int]], SamplingParams, int]:
-        """Read, validate and tokenize the request; calls the gateway's ``prepare``.
+    async def _read(self, request: Request, ctx: RequestContext, arrival: float) -> bytes:
+        """Size check and ``preadmit`` from the raw size, then the body (413 / 408).
+
+        ``preadmit`` runs before the body is read when ``Content-Length`` was declared,
+        else right after reading it (the read itself is capped by ``max_body_bytes``).
+        """
+        limit = self.limits.max_body_bytes
+        declared = declared_length(request)
+        if declared is not None:
+            if declared > limit:
+                raise _too_large(limit)
+            ctx.body_bytes = declared
+            await call_hook(self.gateway, "preadmit", ctx)
+        body = await read_body(request, limit, self.limits.body_read_timeout_s, arrival)
+        if declared is None:
+            ctx.body_bytes = len(body)
+            await call_hook(self.gateway, "preadmit", ctx)
+        return body
+
+    async def _prepare(self, request: Request, ctx: RequestContext, arrival: float, *,
+                       chat: bool) -> tuple[Any, list[list[int]], SamplingParams, int]:
+        """Read, validate and tokenize the request; calls the gateway's ``preadmit`` and
+        ``prepare``.
 
         Returns the parsed request, the prompts' token ids, the sampling parameters and
         max_tokens. Returns early (prompts empty) when the gateway set ``ctx.replay``.
         """
-        body = await read_body(request, self.max_body_bytes)
+        body = await self._read(request, ctx, arrival)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         if len(body) > _PARSE_INLINE_BYTES:  # big JSON: parse off the event loop
-            req: Any = await self._in_thread(parse_request, model_cls, body, self.limits)
+            req: Any = await self._in_thread(ctx, parse_request, model_cls, body,
+                                             self.input_limits)
         else:
-            req = parse_request(model_cls, body, self.limits)
+            req = parse_request(model_cls, body, self.input_limits)
         model = self.resolve_model(req.model)
         engine = self.engines[model]
         ctx.model, ctx.user, ctx.stream, ctx.raw_body = model, req.user, bool(req.stream), body
@@ -246,13 +299,16 @@ class OpenAIServing:
         if chat:
             messages = [m.to_template_dict(i) for i, m in enumerate(req.messages)]
             try:
-                prompts = [await self._in_thread(self._chat_prompt, engine, messages)]
+                prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages)]
             except ValueError as exc:
                 raise bad_request(f"Invalid messages: {exc}", param="messages") from None
             what = "messages"
         else:
-            prompts = await self._in_thread(self._text_prompts, engine, req.prompt_list())
+            prompts = await self._in_thread(ctx, self._text_prompts, engine, req.prompt_list())
             what = "prompt"
+        ctx.prompt_tokens = sum(len(p) for p in prompts)
+        ctx.longest_prompt_tokens = max((len(p) for p in prompts), default=0)
+        ctx.max_tokens_requested = requested
         if any(not p for p in prompts):
             raise bad_request(f"the {what} encode to zero tokens", param=what)
         if len(prompts) * params.n > MAX_CHOICES_PER_REQUEST:

@@ -196,8 +196,13 @@ async def stream_events(
             if status == "aborted" and log.payloads is not None:
                 response = log.response(run.served_model, _abort_tail(
                     log, run, chat=chat, started=started, include_usage=include_usage))
-            http_status = 200 if started else (
-                response.status if response is not None else (500 if status == "error" else None))
+            if started:
+                http_status: Optional[int] = 200     # the headers went out
+            elif status == "aborted":
+                http_status = None                   # the client left before any response
+            else:
+                http_status = response.status if response is not None else (
+                    500 if status == "error" else None)
             await run.finish(status, error, response, http_status)
 
 
