@@ -167,12 +167,15 @@ class ModelRunner:
         if self.capture_logits:
             out.logits = logits.cpu()
         samp = [step.sampling[i] for i in sampled]
+        out.request_ids = [step.request_ids[i] for i in sampled]
+        if all(_plain_greedy(s) for s in samp):
+            out.token_ids = [[t] for t in _argmax_tokens(logits)]
+            return out
         gens = [self._generator(step.request_ids[i], s.params) for i, s in zip(sampled, samp)]
         batch = SamplingBatch.build([s.params for s in samp], [s.prompt_token_ids for s in samp],
                                     [s.output_token_ids for s in samp], gens, logits.shape[-1],
                                     dev, self.eos_token_ids)
         result = self.sampler(logits, batch)
-        out.request_ids = [step.request_ids[i] for i in sampled]
         out.token_ids = [[t] for t in result.token_ids]
         if result.logprobs is not None:
             out.logprobs = [[lp] for lp in result.logprobs]
@@ -189,3 +192,22 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             self.generators[request_id] = gen
         return gen
+
+
+def _plain_greedy(s) -> bool:
+    """Greedy with nothing that changes or reports logits (penalties, masks, logprobs)."""
+    p = s.params
+    return (p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens))
+
+
+def _argmax_tokens(logits: torch.Tensor) -> list[int]:
+    """One pass: each row's argmax; a row with no finite maximum fails like the sampler."""
+    values, index = logits.max(dim=-1)
+    bad = ~torch.isfinite(values)
+    tokens, bad_rows = torch.stack([index, bad.to(index.dtype)]).tolist()
+    if any(bad_rows):
+        rows = [i for i, b in enumerate(bad_rows) if b]
+        raise RuntimeError(f"cannot sample rows {rows}: their logits are NaN or all -inf")
+    return tokens
