@@ -254,3 +254,30 @@ def test_compare_names_the_missing_peer(cache, tmp_path, bpe_tokenizer_path, cap
                "--output-dir", str(tmp_path / "out"), "--no-progress"])
     assert rc == 2
     assert "cannot run llama-server" in caplog.text
+
+
+def test_build_falls_back_to_portable_when_native_fails_its_smoke_test(tmp_path, monkeypatch):
+    from llmserve.bench import build_llama_server as b
+
+    def fake_build_variant(source, root, variant, jobs):
+        bin_dir = root / f"build-{variant}" / "bin"
+        bin_dir.mkdir(parents=True)
+        for target in b.TARGETS:
+            (bin_dir / target).write_text(variant)
+        return bin_dir
+
+    monkeypatch.setattr(b, "check_tools", lambda: None)
+    monkeypatch.setattr(b, "fetch_source", lambda: tmp_path / "src")
+    monkeypatch.setattr(b, "build_variant", fake_build_variant)
+    monkeypatch.setattr(b, "smoke_test", lambda binary, gguf, log: (
+        "exited with code 132" if "native" in str(binary) else None))
+    root = tmp_path / "root"
+    installed = b.build("m.gguf", root=root)
+    assert installed == root / "bin" / "llama-server" and installed.read_text() == "portable"
+    info = json.loads((root / "build_info.json").read_text())
+    assert info["variant"] == "portable" and "-DGGML_AVX2=ON" in info["cmake_args"]
+    assert info["failures"] == ["native: smoke test failed: exited with code 132"]
+    assert b.build("m.gguf", root=root) == installed          # found, not rebuilt
+    monkeypatch.setattr(b, "smoke_test", lambda binary, gguf, log: "HTTP 500")
+    with pytest.raises(b.BuildError, match="no llama-server variant works"):
+        b.build("m.gguf", root=tmp_path / "other")

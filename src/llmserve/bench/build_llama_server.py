@@ -123,8 +123,10 @@ def build_variant(source: Path, root: Path, variant: str, jobs: int) -> Path:
     return build_dir / "bin"
 
 
-def smoke_test(binary: Path, gguf: str, timeout_s: float = 180.0) -> Optional[str]:
-    """Start ``binary`` on ``gguf`` and ask for 8 tokens; None if fine, else what went wrong."""
+def smoke_test(binary: Path, gguf: str, log_path: Path,
+               timeout_s: float = 180.0) -> Optional[str]:
+    """Start ``binary`` on ``gguf`` (its output to ``log_path``) and ask for 8 tokens;
+    None if fine, else what went wrong."""
     import httpx
 
     from llmserve.bench.compare import ServerProcess, ServerSpec
@@ -132,7 +134,7 @@ def smoke_test(binary: Path, gguf: str, timeout_s: float = 180.0) -> Optional[st
     settings = PeerSettings(parallel=2)
     spec = ServerSpec("llama-server-smoke", llama_server_command(str(binary), gguf, settings),
                       ready_paths=("/health",), ready_timeout_s=timeout_s)
-    proc = ServerProcess(spec, binary.parent.parent / "smoke-test.log")
+    proc = ServerProcess(spec, log_path)
     try:
         with proc:
             body = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True,
@@ -176,7 +178,7 @@ def build(gguf: str, jobs: int = 2, variants: Sequence[str] = ("native", "portab
             failures.append(f"{variant}: {exc}")
             logger.error("%s", failures[-1])
             continue
-        problem = smoke_test(bin_dir / "llama-server", gguf)
+        problem = smoke_test(bin_dir / "llama-server", gguf, root / f"smoke-{variant}.log")
         if problem is not None:
             failures.append(f"{variant}: smoke test failed: {problem}")
             logger.error("%s (falling back to the next variant)", failures[-1])
@@ -207,6 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if installed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         path = build(resolve_model_path(args.model), jobs=args.jobs, force=args.force,
                      variants=("portable",) if args.portable else ("native", "portable"))

@@ -178,6 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--force", action="store_true", help="reinstall the venv")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         python = setup_venv(vllm_venv_dir(), args.torch_spec, args.force)
         model_dir = export_model(resolve_model_path(args.model))
