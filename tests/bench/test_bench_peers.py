@@ -281,3 +281,11 @@ def test_build_falls_back_to_portable_when_native_fails_its_smoke_test(tmp_path,
     monkeypatch.setattr(b, "smoke_test", lambda binary, gguf, log: "HTTP 500")
     with pytest.raises(b.BuildError, match="no llama-server variant works"):
         b.build("m.gguf", root=tmp_path / "other")
+
+
+def test_busy_cpu_warning_suggests_fewer_peer_threads():
+    assert peers.busy_cpu_warning(cores=2, load=0.3) is None
+    assert peers.busy_cpu_warning(cores=16, load=3.0) is None
+    warning = peers.busy_cpu_warning(cores=2, load=1.2)
+    assert "--peer-threads 1" in warning and "1.2 on 2 cores" in warning
+    assert "--peer-threads 12" in peers.busy_cpu_warning(cores=16, load=4.0)

@@ -145,6 +145,7 @@ def peer_settings_from_args(args: argparse.Namespace, options: "BenchOptions",
 def bench_compare_command(args: argparse.Namespace) -> int:
     """Handler of ``bench compare``."""
     from llmserve.bench.compare import ServerSpec, builtin_server_specs, run_compare
+    from llmserve.bench.peers import busy_cpu_warning
     from llmserve.bench.runner import make_specs
     from llmserve.default_model import resolve_model_path
 
@@ -169,6 +170,9 @@ def bench_compare_command(args: argparse.Namespace) -> int:
             raise ValueError("no server to compare: use --servers or --extra-server")
         for s in servers:
             s.ready_timeout_s = args.ready_timeout
+        warning = busy_cpu_warning()
+        if warning:
+            logger.warning("%s", warning)
     except (ValueError, FileNotFoundError) as exc:
         logger.error("%s", exc)
         return 2

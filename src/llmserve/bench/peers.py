@@ -141,6 +141,25 @@ def num_cores() -> int:
         return os.cpu_count() or 1
 
 
+def busy_cpu_warning(cores: Optional[int] = None,
+                     load: Optional[float] = None) -> Optional[str]:
+    """A warning when other processes already keep cores busy (1-minute load average at
+    least max(1, cores / 4)), else None: figures are then noisy, and llama.cpp's threads,
+    which spin at every barrier, slow down by 10-40x when one of them is descheduled."""
+    cores = cores or num_cores()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+    if load < max(1.0, cores / 4):
+        return None
+    free = max(1, cores - int(round(load)))
+    return (f"load average {load:.1f} on {cores} cores before any server starts: other "
+            "processes compete for the CPU, so the figures will be noisy, llama-server's "
+            f"most (its threads spin-wait); --peer-threads {free} avoids the worst of it")
+
+
 @dataclass
 class PeerSettings:
     """What every peer is sized for: the sweep's concurrency and the longest request."""
