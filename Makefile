@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test bench bench-peers clean
+.PHONY: install serve test bench bench-peers bench-peers-llama bench-peers-vllm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,12 +32,20 @@ test: install
 bench: install
 	$(VENV)/bin/llmserve bench offline $(ARGS)
 
-# Optional peers for `llmserve bench compare` (compiles llama.cpp: ~15 min on 2 cores).
-# A portable AVX2 build: on VMs that report AMX/AVX-512 without enabling them, a native
-# build dies with "invalid opcode" on the first request.
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-bench-peers: install
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install "llama-cpp-python[server]==0.3.36"
+# The performance peers of `llmserve bench compare`, set up once per machine outside the repo
+# (under $LLMSERVE_CACHE_DIR, default ~/.cache/llmserve; each target prints where its peer is):
+# - bench-peers-llama: llama.cpp's llama-server compiled from source (~15-30 min on 2 cores);
+#   a native build first, a portable AVX2 one if the native server crashes on this CPU.
+# - bench-peers-vllm: vLLM CPU in its own venv + the default model exported to an HF folder
+#   (bf16); ends with a smoke test that serves 8 tokens (~3 min on 2 cores).
+JOBS ?= $(shell nproc)
+bench-peers: bench-peers-llama bench-peers-vllm
+
+bench-peers-llama: install
+	nice -n 19 $(PY) -m llmserve.bench.build_llama_server --jobs $(JOBS)
+
+bench-peers-vllm: install
+	nice -n 10 $(PY) -m llmserve.bench.setup_vllm --smoke-test
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,4 +1,4 @@
-"""The `llmserve` command line: generate, serve, bench, kv-calc, keys, billing."""
+"""The `llmserve` command line: generate, serve, bench, kv-calc, export-hf, keys, billing."""
 from __future__ import annotations
 
 import argparse
@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_commands(sub) -> None:
     from llmserve.bench.offline import add_offline_bench_parser
     from llmserve.bench.step_profile import add_step_bench_parser
+    from llmserve.export_hf import add_export_hf_subparser
+
+    add_export_hf_subparser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -119,3 +119,44 @@ def test_concurrency_limit_and_chat_turn_order(fake_server):
     spans = sorted((r.send_time, r.send_time + r.end_time) for r in recs.values())
     for t, _ in spans:   # at most 2 in flight at any send instant
         assert sum(1 for s, e in spans if s <= t < e) <= 2
+
+
+def _sse_stream_after_failures(failures: int):
+    """An httpx mock handler whose first ``failures`` POSTs die like a stale keep-alive
+    connection, and which then streams two tokens with usage."""
+    import httpx
+
+    calls = {"n": 0}
+    body = (b'data: {"choices": [{"text": "a"}]}\n\n'
+            b'data: {"choices": [{"text": "b", "finish_reason": "length"}], '
+            b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+
+    def handler(request):
+        calls["n"] += 1
+        if calls["n"] <= failures:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return handler, calls
+
+
+@pytest.mark.parametrize("failures,ok", [(0, True), (1, True), (2, False)])
+def test_stream_one_resends_once_after_a_stale_connection(failures, ok):
+    import httpx
+
+    from llmserve.bench.loadgen import RequestRecord, stream_one
+
+    handler, calls = _sse_stream_after_failures(failures)
+
+    async def go() -> RequestRecord:
+        record = RequestRecord("r0", 3, expected_output_len=2)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await stream_one(client, "http://x/v1/completions", {"prompt": "p"}, record)
+        return record
+
+    record = asyncio.run(go())
+    assert record.success is ok and calls["n"] == min(failures + 1, 2)
+    if ok:
+        assert record.usage_completion_tokens == 2 and len(record.arrival_times) == 2
+    else:
+        assert record.error == "connection"

@@ -21,7 +21,9 @@ from llmserve.bench.metrics import DEFAULT_BUCKET_EDGES, parse_slo
 from llmserve.bench.workloads import WORKLOADS
 
 if TYPE_CHECKING:
+    from llmserve.bench.peers import PeerSettings
     from llmserve.bench.runner import BenchOptions
+    from llmserve.bench.workloads import RequestSpec
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +125,27 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     return 0 if all(r["metrics"]["completed"] for r in results["runs"]) else 1
 
 
+def peer_settings_from_args(args: argparse.Namespace, options: "BenchOptions",
+                            specs: Sequence["RequestSpec"]) -> "PeerSettings":
+    """Size the peers for this run: the sweep's largest concurrency, the longest request."""
+    from llmserve.bench.peers import peer_settings_for
+
+    if options.sweep and options.sweep[0] == "concurrency":
+        levels: list[Optional[int]] = [int(v) for v in options.sweep[1]]
+    else:
+        levels = [options.max_concurrency]
+    longest = max((s.input_len + s.output_len for s in specs), default=0)
+    return peer_settings_for(
+        levels, len(specs), longest, threads=args.peer_threads,
+        llama_server_bin=args.llama_server_bin, vllm_python=args.vllm_python,
+        extra_llama_server_args=shlex.split(args.llama_server_args or ""),
+        extra_vllm_args=shlex.split(args.vllm_args or ""))
+
+
 def bench_compare_command(args: argparse.Namespace) -> int:
     """Handler of ``bench compare``."""
     from llmserve.bench.compare import ServerSpec, builtin_server_specs, run_compare
+    from llmserve.bench.peers import busy_cpu_warning
     from llmserve.bench.runner import make_specs
     from llmserve.default_model import resolve_model_path
 
@@ -135,9 +155,12 @@ def bench_compare_command(args: argparse.Namespace) -> int:
         model = None
         if args.servers != "none" or options.tokenizer is None:
             model = resolve_model_path(args.model)
+        if options.tokenizer is None:
+            options.tokenizer = model
+        specs, tok_name = make_specs(options)
         servers = [] if model is None or args.servers == "none" else builtin_server_specs(
             model, "auto" if args.servers == "auto" else args.servers.split(","),
-            shlex.split(args.llama_cpp_args or ""))
+            peer_settings_from_args(args, options, specs))
         for item in args.extra_server or []:
             name, sep, command = item.partition("=")
             if not sep or not name or not command.strip():
@@ -147,9 +170,9 @@ def bench_compare_command(args: argparse.Namespace) -> int:
             raise ValueError("no server to compare: use --servers or --extra-server")
         for s in servers:
             s.ready_timeout_s = args.ready_timeout
-        if options.tokenizer is None:
-            options.tokenizer = model
-        specs, tok_name = make_specs(options)
+        warning = busy_cpu_warning()
+        if warning:
+            logger.warning("%s", warning)
     except (ValueError, FileNotFoundError) as exc:
         logger.error("%s", exc)
         return 2
@@ -205,10 +228,20 @@ def add_bench_subparsers(subparsers: "argparse._SubParsersAction") -> None:
     comp.add_argument("--model", default="default", help="model path for every server")
     comp.add_argument("--servers", default="auto",
                       help="auto, none, or a comma list of llmserve, llmserve-no-prefix-cache, "
-                           "llmserve-static, llama-cpp")
+                           "llmserve-static, llama-server, vllm")
     comp.add_argument("--extra-server", action="append", metavar="NAME=COMMAND",
                       help="another server to start; {port} and {host} are filled in")
-    comp.add_argument("--llama-cpp-args", default="", help="extra args for llama_cpp.server")
+    peers = comp.add_argument_group("peers (built by `make bench-peers`)")
+    peers.add_argument("--llama-server-bin", default=None,
+                       help="llama-server binary (default: $LLMSERVE_LLAMA_SERVER, else the "
+                            "build cache)")
+    peers.add_argument("--llama-server-args", default="", help="extra args for llama-server")
+    peers.add_argument("--vllm-python", default=None,
+                       help="Python of vLLM's venv (default: $LLMSERVE_VLLM_PYTHON, else the "
+                            "cache's vllm-venv)")
+    peers.add_argument("--vllm-args", default="", help="extra args for vLLM's server")
+    peers.add_argument("--peer-threads", type=int, default=0,
+                       help="CPU threads for the peers (default 0: every core)")
     comp.add_argument("--ready-timeout", type=float, default=600.0,
                       help="seconds to wait for each server")
     _add_workload_args(comp)

@@ -8,8 +8,13 @@ each gets the very same request list. Built-in servers (see :func:`builtin_serve
 * ``llmserve-static``: the same with a static-batching flag, only when ``serve --help``
   shows one (``--static-batching``, or a ``--...batch...``/``--schedul...`` option whose
   choices include ``static``);
-* ``llama-cpp``: ``python -m llama_cpp.server --model M.gguf`` (llama-cpp-python[server]),
-  only when ``llama_cpp`` is importable and the model is a GGUF file.
+* ``llama-server``: llama.cpp's own server on the same GGUF file, one slot per concurrent
+  request (:func:`llmserve.bench.peers.llama_server_command`), when it has been built;
+* ``vllm``: vLLM's OpenAI server (CPU build, its own venv) on the model exported to a
+  bfloat16 HF folder (:func:`llmserve.bench.peers.vllm_command`), when it has been set up.
+
+Peers are sized by :class:`llmserve.bench.peers.PeerSettings`: slots for the sweep's largest
+concurrency, context for its longest request. ``make bench-peers`` builds them.
 
 Outputs in the output folder: one sub-folder per server with its ``results.json``,
 ``report.md`` and plots; its log ``<name>.log``; and ``compare.json`` / ``compare.md`` with
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import logging
 import os
 import re
@@ -34,12 +38,16 @@ import httpx
 
 from llmserve.bench import plots, report
 from llmserve.bench.compare_report import comparison_document, render_comparison
+from llmserve.bench.peers import (PeerSettings, PeerUnavailable, exported_model_dir,
+                                  find_llama_server, find_vllm_python, llama_server_command,
+                                  vllm_command, vllm_env)
 from llmserve.bench.runner import BenchOptions, execute_runs, results_document, write_outputs
 from llmserve.bench.workloads import RequestSpec
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_SERVERS = ("llmserve", "llmserve-no-prefix-cache", "llmserve-static", "llama-cpp")
+BUILTIN_SERVERS = ("llmserve", "llmserve-no-prefix-cache", "llmserve-static", "llama-server",
+                   "vllm")
 
 
 @dataclass
@@ -162,22 +170,51 @@ def llmserve_spec(name: str, model: str, extra_args: Sequence[str] = ()) -> Serv
                              "--port", "{port}", "--model", model, *extra_args])
 
 
-def llama_cpp_spec(gguf_path: str, extra_args: Sequence[str] = ()) -> ServerSpec:
-    """llama-cpp-python's server. By default a new request *interrupts* the one being served;
-    ``--interrupt_requests False`` makes it queue them instead (one at a time), which is what
-    a concurrency sweep must measure. Later ``extra_args`` override it."""
-    return ServerSpec("llama-cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path,
-                                    "--host", "{host}", "--port", "{port}",
-                                    "--interrupt_requests", "False", *extra_args],
-                      ready_paths=("/v1/models",))
+def llama_server_spec(model: str, settings: PeerSettings) -> ServerSpec:
+    """llama.cpp's ``llama-server`` on the GGUF ``model``.
+
+    Raises:
+        PeerUnavailable: no binary, or ``model`` is not a GGUF file.
+    """
+    if not model.endswith(".gguf"):
+        raise PeerUnavailable(f"llama-server needs a GGUF file, and {model!r} is not one")
+    binary = find_llama_server(settings.llama_server_bin)
+    return ServerSpec("llama-server", llama_server_command(str(binary), model, settings),
+                      ready_paths=("/health",))
+
+
+def vllm_model_dir(model: str) -> str:
+    """The HF folder vLLM serves: ``model`` itself, or its cached bfloat16 export if GGUF."""
+    if not model.endswith(".gguf"):
+        return model
+    out = exported_model_dir(model, "bfloat16")
+    if not (out / "config.json").is_file():
+        from llmserve.export_hf import export_hf
+
+        logger.info("exporting %s to %s for vLLM", model, out)
+        export_hf(model, str(out), "bfloat16")
+    return str(out)
+
+
+def vllm_spec(model: str, settings: PeerSettings) -> ServerSpec:
+    """vLLM's OpenAI server (CPU) from its own venv on ``model`` as an HF folder.
+
+    Raises:
+        PeerUnavailable: the venv is not set up.
+    """
+    python = find_vllm_python(settings.vllm_python)
+    return ServerSpec("vllm", vllm_command(str(python), vllm_model_dir(model), settings),
+                      env=vllm_env(settings, python.parent.parent), ready_paths=("/health",))
 
 
 def builtin_server_specs(model: str, names: Sequence[str] | str = "auto",
-                         llama_cpp_args: Sequence[str] = ()) -> list[ServerSpec]:
+                         settings: Optional[PeerSettings] = None) -> list[ServerSpec]:
     """Specs of the built-in servers; ``"auto"``: llmserve plus every available peer.
 
-    A peer named explicitly but unavailable raises ValueError; under ``auto`` it is skipped.
+    A peer named explicitly but unavailable raises ValueError with the reason; under
+    ``auto`` it is skipped with that reason logged.
     """
+    settings = settings or PeerSettings()
     auto = names == "auto"
     wanted = list(BUILTIN_SERVERS) if auto else list(names)
     unknown = sorted(set(wanted) - set(BUILTIN_SERVERS))
@@ -185,30 +222,24 @@ def builtin_server_specs(model: str, names: Sequence[str] | str = "auto",
         raise ValueError(f"unknown server(s) {unknown}; choose from {BUILTIN_SERVERS}")
     specs = []
     for name in wanted:
-        if name == "llmserve":
-            specs.append(llmserve_spec(name, model))
-        elif name == "llmserve-no-prefix-cache":
-            specs.append(llmserve_spec(name, model, ["--no-prefix-caching"]))
-        elif name == "llmserve-static":
-            flag = detect_static_batching_args(_llmserve_serve_help())
-            if flag is None:
-                if not auto:
-                    raise ValueError("`llmserve serve` has no static-batching option")
-                logger.info("llmserve has no static-batching option; skipping that peer")
-                continue
-            specs.append(llmserve_spec(name, model, flag))
-        elif name == "llama-cpp":
-            reason = None
-            if importlib.util.find_spec("llama_cpp") is None:
-                reason = "llama_cpp is not importable (pip install 'llama-cpp-python[server]')"
-            elif not model.endswith(".gguf"):
-                reason = "the model is not a GGUF file"
-            if reason:
-                if not auto:
-                    raise ValueError(f"cannot run the llama-cpp peer: {reason}")
-                logger.info("skipping the llama-cpp peer: %s", reason)
-                continue
-            specs.append(llama_cpp_spec(model, llama_cpp_args))
+        try:
+            if name == "llmserve":
+                specs.append(llmserve_spec(name, model))
+            elif name == "llmserve-no-prefix-cache":
+                specs.append(llmserve_spec(name, model, ["--no-prefix-caching"]))
+            elif name == "llmserve-static":
+                flag = detect_static_batching_args(_llmserve_serve_help())
+                if flag is None:
+                    raise PeerUnavailable("`llmserve serve` has no static-batching option")
+                specs.append(llmserve_spec(name, model, flag))
+            elif name == "llama-server":
+                specs.append(llama_server_spec(model, settings))
+            elif name == "vllm":
+                specs.append(vllm_spec(model, settings))
+        except PeerUnavailable as exc:
+            if not auto:
+                raise ValueError(f"cannot run {name}: {exc}") from None
+            logger.info("skipping %s: %s", name, exc)
     return specs
 
 

@@ -115,13 +115,32 @@ def _content_of(choice: dict) -> str:
     return delta.get("content") or delta.get("reasoning_content") or ""
 
 
+async def _send_streaming(client: httpx.AsyncClient, url: str, payload: dict,
+                          record: RequestRecord) -> httpx.Response:
+    """POST ``payload`` and return the response once its headers are in (body unread).
+
+    A server may close an idle keep-alive connection just as the client reuses it
+    (llama-server's HTTP library does after 5 s); the POST then fails with "Server
+    disconnected without sending a response". That race is the client's, not a failed
+    request, so the POST is sent once more (the dead connection is dropped from the pool;
+    the time it cost stays in TTFT). A second failure counts as a connection error.
+    """
+    try:
+        return await client.send(client.build_request("POST", url, json=payload), stream=True)
+    except httpx.RemoteProtocolError as exc:
+        logger.info("request %s: %r on a reused connection; sending it again",
+                    record.request_id, exc)
+        return await client.send(client.build_request("POST", url, json=payload), stream=True)
+
+
 async def stream_one(client: httpx.AsyncClient, url: str, payload: dict,
                      record: RequestRecord) -> None:
     """Send one streaming request and fill ``record`` (times relative to its send time)."""
     record.send_time = time.perf_counter()
     saw_done = saw_finish = False
     try:
-        async with client.stream("POST", url, json=payload) as resp:
+        resp = await _send_streaming(client, url, payload, record)
+        try:
             if resp.status_code >= 400:
                 body = await resp.aread()
                 record.error = str(resp.status_code)
@@ -137,6 +156,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, payload: dict,
             for data in parser.flush():
                 done, finish = _apply_event(data, now, record)
                 saw_done, saw_finish = saw_done or done, saw_finish or finish
+        finally:
+            await resp.aclose()
         if record.error is None and not (saw_done or saw_finish):
             record.error = "incomplete_stream"
             record.error_detail = "stream ended without [DONE] or a finish_reason"
