@@ -62,6 +62,20 @@ class _Timers:
         return timed
 
 
+class _TimedCompiled:
+    """Times calls of the compiled step without touching it (its guards check its type)."""
+
+    def __init__(self, inner, timers: _Timers) -> None:
+        self._inner = inner
+        self._call = timers.wrap("forward", inner.__call__)
+
+    def __call__(self, staged):
+        return self._call(staged)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
 def _instrument(engine, timers: _Timers) -> None:
     import llmserve.engine.core as core_mod
 
@@ -73,8 +87,7 @@ def _instrument(engine, timers: _Timers) -> None:
     if runner.compiled is None:   # the compiled graph calls the model itself: time it whole
         runner.model.forward = timers.wrap("forward", runner.model.forward)
     else:
-        runner.compiled.__class__ = type("TimedCompiled", (runner.compiled.__class__,), {
-            "__call__": timers.wrap("forward", runner.compiled.__class__.__call__)})
+        runner.compiled = _TimedCompiled(runner.compiled, timers)
     runner._sample = timers.wrap("sample", runner._sample)
     core._append_tokens = timers.wrap("output", core._append_tokens)
 
