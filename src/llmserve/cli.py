@@ -1,4 +1,4 @@
-"""The `llmserve` command line: generate, serve, bench, kv-calc, keys, billing."""
+"""The `llmserve` command line: generate, serve, eval, bench, kv-calc, keys, billing."""
 from __future__ import annotations
 
 import argparse
@@ -181,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_limit_args(s)
     s.set_defaults(func=cmd_serve)
 
+    from llmserve.eval.cli import add_eval_parser
     from llmserve.gateway.cli_commands import add_admin_commands
+
+    add_eval_parser(sub)
 
     add_admin_commands(sub)
     _add_optional_commands(sub)

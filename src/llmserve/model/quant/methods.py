@@ -125,9 +125,16 @@ class QuantizedLinearMethod(LinearMethod):
         fmt = self.choose_format(shards)
         g = self.int4_group_size()
         if fmt == "int4" and layer.input_size % g:
-            logger.warning("linear %s: input size %d is not a multiple of the int4 group %d; "
-                           "kept dense", layer.output_sizes, layer.input_size, g)
-            fmt = "dense"
+            fits = [s for s in INT4_GROUP_SIZES if s < g and layer.input_size % s == 0]
+            if fits:
+                logger.info("linear %s: input size %d is not a multiple of the int4 group %d; "
+                            "using groups of %d", layer.output_sizes, layer.input_size, g,
+                            fits[-1])
+                g = fits[-1]
+            else:
+                logger.warning("linear %s: input size %d fits no int4 group; kept dense",
+                               layer.output_sizes, layer.input_size)
+                fmt = "dense"
         if fmt == "int4":
             exact = all(isinstance(s.values, Int4Groups) and s.values.group_size == g
                         for s in shards)
