@@ -148,3 +148,18 @@ def test_prequantized_hf_checkpoint_error_names_what_is_supported(tiny_hf, tmp_p
 
 def test_model_config_type_is_unchanged():
     assert "quantization" in ModelConfig.__dataclass_fields__
+
+
+def test_stats_and_metrics_state_weight_and_kv_bytes(tiny_q4):
+    from llmserve.server.metrics import EngineStatsCollector
+
+    llm = engine(tiny_q4, quantization="auto", kv_cache_dtype="int8")
+    stats = llm.engine.get_stats()
+    runner = llm.engine.runner
+    assert stats.weight_bytes == runner.weight_bytes > 0
+    mc = llm.engine.model_config
+    assert stats.kv_bytes_per_token == 2 * mc.num_hidden_layers * mc.num_key_value_heads * (
+        mc.head_dim + 4)
+    samples = {name: value for _, name, _, value in EngineStatsCollector._samples(stats)}
+    assert samples["llmserve_model_weight_bytes"] == stats.weight_bytes
+    assert samples["llmserve_kv_cache_bytes_per_token"] == stats.kv_bytes_per_token

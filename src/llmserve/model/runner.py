@@ -92,6 +92,10 @@ class ModelRunner:
     def kv_pool_bytes(self) -> int:
         return self.kv.pool_bytes
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv.bytes_per_token
+
     def warmup(self) -> None:
         """Compile the decode step for every batch bucket now (else on first use)."""
         if self.compiled is not None:
