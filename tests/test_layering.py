@@ -28,6 +28,7 @@ NO_TORCH_MODULES = [
     "llmserve.server.openapi",
     "llmserve.eval.presets",
     "llmserve.eval.cli",
+    "llmserve.eval.report",
 ]
 
 

@@ -193,12 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     from llmserve.bench.offline import add_offline_bench_parser
+    from llmserve.bench.quant_step import add_quant_bench_parser
     from llmserve.bench.step_profile import add_step_bench_parser
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     add_offline_bench_parser(bsub, add_engine_args, engine_config_from_args)
     add_step_bench_parser(bsub, add_engine_args, engine_config_from_args)
+    add_quant_bench_parser(bsub, add_engine_args, engine_config_from_args)
     try:
         from llmserve.bench.cli import add_bench_subparsers, add_kv_calc_subparser
     except ImportError:  # pragma: no cover - bench tool not present

@@ -10,6 +10,7 @@ from llmserve import cli
 from llmserve.eval import metrics
 from llmserve.eval.gate import format_table, run_gate
 from llmserve.eval.presets import PRESETS, Thresholds
+from llmserve.eval.report import format_gate, gate_for
 
 from .tiny_checkpoints import make_tiny_checkpoint
 
@@ -53,6 +54,11 @@ def test_cli_exits_nonzero_past_a_threshold(tiny_path, monkeypatch, tmp_path, ca
     assert cli.main(args) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["failed"] == [] and report["results"][1]["name"] == "kv-int8"
+    row = report["results"][1]
+    gate = gate_for(str(tmp_path / "r.json"), row["quantization"], "int8")
+    assert gate["config"] == "kv-int8" and gate["passed"] is True
+    assert format_gate(gate).startswith("quality gate: pass (kv-int8 vs fp32")
+    assert gate_for(str(tmp_path / "r.json"), row["quantization"], "float16") is None
     strict = PRESETS["kv-int8"].__class__(PRESETS["kv-int8"].settings,
                                           Thresholds(-1.0, 1.01, -1.0))
     monkeypatch.setitem(PRESETS, "kv-int8", strict)
