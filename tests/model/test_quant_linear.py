@@ -134,6 +134,16 @@ def test_int8_rtn_error_within_half_a_step():
     assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.01
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 33])
+def test_int8_both_kernels_match_dense(rows):
+    """Up to 4 rows _weight_int8pack_mm, from 5 on bf16 tiles + GEMM: same product."""
+    w = torch.randn(5000, 96) * 0.1
+    layer = linear(Int8LinearMethod(), 5000, cols=96)
+    layer.load("weight", w)
+    x = torch.randn(rows, 96)
+    assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.015
+
+
 def test_int4_pads_output_rows_to_the_kernel_tile():
     w = torch.randn(24, 64)                   # 24 rows: not a multiple of 16
     g = quantize_int4(w, 32)

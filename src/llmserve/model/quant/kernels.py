@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 #: Activation and scale dtype of both kernels.
@@ -135,8 +136,35 @@ class Int4Weight(nn.Module):
         return f"int4 g{self.group_size}, {self.out_features}x{self.in_features}"
 
 
+#: Above this many rows, int8 products dequantize the weight tile by tile to bf16 and use a
+#: dense GEMM: ``_weight_int8pack_mm`` costs about one weight pass per row of ``x``.
+INT8_GEMM_MIN_ROWS = 5
+_TILE_ELEMENTS = 1 << 21      # ~4 MB of bf16 per dequantized tile: stays in the L3 cache
+
+
+@torch.library.custom_op("llmserve::int8_tiled_mm", mutates_args=())
+def int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x (M, K) bf16 @ (q * scale)^T`` through bf16 tiles of ~4 MB (for larger M)."""
+    n, k = q.shape
+    rows = max(64, _TILE_ELEMENTS // k)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        out[:, start:start + rows] = F.linear(x, q[start:start + rows].to(x.dtype))
+    return out.mul_(scale)
+
+
+@int8_tiled_mm.register_fake
+def _int8_tiled_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
 class Int8Weight(nn.Module):
-    """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``."""
+    """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
+
+    Up to 4 rows the product is ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the
+    int8 bytes); from 5 rows on, bf16 tiles of the weight feed a dense GEMM
+    (:func:`int8_tiled_mm`), whose cost grows far slower with the row count.
+    """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
@@ -148,7 +176,11 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", scale.to(KERNEL_DTYPE).contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(_as_kernel_input(x), self.qweight, self.scale)
+        x2 = _as_kernel_input(x)
+        if x2.shape[0] >= INT8_GEMM_MIN_ROWS:
+            y = int8_tiled_mm(x2, self.qweight, self.scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
