@@ -26,6 +26,9 @@ NO_TORCH_MODULES = [
     "llmserve.server.limits",
     "llmserve.server.server_limits",
     "llmserve.server.openapi",
+    "llmserve.eval.presets",
+    "llmserve.eval.cli",
+    "llmserve.eval.report",
 ]
 
 

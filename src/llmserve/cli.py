@@ -1,4 +1,4 @@
-"""The `llmserve` command line: generate, serve, bench, kv-calc, export-hf, keys, billing."""
+"""The `llmserve` command line: generate, serve, eval, bench, kv-calc, export-hf, keys, billing."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +23,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX512_BF16/AMX), "
                         "else float32")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache dtype, independent of the weights (auto: same as --dtype)")
+                   choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3"],
+                   help="KV cache dtype, independent of the weights (auto: same as --dtype); "
+                        "int8 / fp8_e4m3 store a float32 scale per token and head")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weights: auto keeps a GGUF file's quantized weights packed (bf16 on "
+                        "CPU); none dequantizes; int8 (per channel) / int4 (group-wise) "
+                        "quantize any checkpoint at load (docs/QUANTIZATION.md)")
+    g.add_argument("--quantization-group-size", type=int, default=32,
+                   choices=[32, 64, 128, 256], help="int4 group size along the input dimension")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-gib", type=float, default=None,
@@ -54,6 +61,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         aging_rate=args.aging_rate, num_threads=args.num_threads, seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_fraction=args.kv_cache_fraction,
+        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
     )
 
@@ -173,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_limit_args(s)
     s.set_defaults(func=cmd_serve)
 
+    from llmserve.eval.cli import add_eval_parser
     from llmserve.gateway.cli_commands import add_admin_commands
+
+    add_eval_parser(sub)
 
     add_admin_commands(sub)
     _add_optional_commands(sub)
@@ -182,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     from llmserve.bench.offline import add_offline_bench_parser
+    from llmserve.bench.quant_step import add_quant_bench_parser
     from llmserve.bench.step_profile import add_step_bench_parser
     from llmserve.export_hf import add_export_hf_subparser
 
@@ -191,6 +203,7 @@ def _add_optional_commands(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     add_offline_bench_parser(bsub, add_engine_args, engine_config_from_args)
     add_step_bench_parser(bsub, add_engine_args, engine_config_from_args)
+    add_quant_bench_parser(bsub, add_engine_args, engine_config_from_args)
     try:
         from llmserve.bench.cli import add_bench_subparsers, add_kv_calc_subparser
     except ImportError:  # pragma: no cover - bench tool not present

@@ -15,7 +15,9 @@ class EngineConfig:
 
     model: Optional[str] = None            # HF folder or .gguf file; None: the default model
     dtype: str = "auto"                    # auto (bf16 on CUDA / CPUs with native bf16, else fp32) | float32 | bfloat16 | float16
-    kv_cache_dtype: str = "auto"           # auto (= dtype) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"           # auto (= dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
+    quantization: str = "auto"             # auto (GGUF stays packed with bf16 on CPU) | none | int8 | int4
+    quantization_group_size: int = 32      # int4 group size along the input dim: 32 | 64 | 128 | 256
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     block_size: int = 16                   # tokens per KV block
     kv_cache_gib: Optional[float] = None   # KV pool size; None: max_num_seqs x max_model_len tokens
@@ -53,9 +55,15 @@ class EngineConfig:
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
             )
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16",
-                                       "fp16"):
-            raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16; "
-                             f"got {self.kv_cache_dtype!r}")
+                                       "fp16", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, "
+                             f"int8, fp8_e4m3; got {self.kv_cache_dtype!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of auto, none, int8, int4; "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"quantization_group_size must be one of 32, 64, 128, 256; "
+                             f"got {self.quantization_group_size}")
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise ValueError(f"attention_backend must be one of auto, paged, reference; "
                              f"got {self.attention_backend!r}")

@@ -109,7 +109,7 @@ class LLMEngine:
             "architecture": mc.architecture,
             "model_config": {k: v for k, v in sorted(vars(mc).items()) if k != "eos_token_ids"},
             "weights": weights_fp,
-            "quantization": mc.quantization,
+            "quantization": {"file": mc.quantization, "runtime": self.runner.quantization},
             "tokenizer": self.tokenizer.fingerprint,
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,

@@ -50,11 +50,12 @@ def test_llama3_report_variants_and_ratios():
     assert json.loads(json.dumps(rep)) == rep           # JSON-ready
 
 
-@pytest.mark.parametrize("dtype,nbytes", [("float32", 4), ("bfloat16", 2), ("float16", 2),
-                                          ("int8", 1), ("fp8", 1)])
-def test_kv_dtypes(dtype, nbytes):
+@pytest.mark.parametrize("dtype,nbytes,scale", [("float32", 4, 0), ("bfloat16", 2, 0),
+                                                ("float16", 2, 0), ("int8", 1, 4), ("fp8", 1, 0),
+                                                ("fp8_e4m3", 1, 4)])
+def test_kv_dtypes(dtype, nbytes, scale):
     rep = kv_report(llama2_7b(), seq_len=100, kv_dtype=dtype)
-    assert rep["kv_bytes"] == 2 * 32 * 32 * 100 * 128 * nbytes
+    assert rep["kv_bytes"] == 2 * 32 * 32 * 100 * (128 * nbytes + scale)
     with pytest.raises(ValueError):
         kv_report(llama2_7b(), seq_len=100, kv_dtype="int4")
 
@@ -83,6 +84,20 @@ def test_block_rounding_in_pool():
     assert exact["token_slots_per_sequence"] == 1024 and exact["rounding_overhead_fraction"] == 0
 
 
+def test_quantized_weight_estimates():
+    from llmserve.bench.kv_calc import quantized_weight_bytes
+
+    cfg = smollm2_135m()      # tied: 106M linear weights, 28M embedding
+    rep = kv_report(cfg, seq_len=16)
+    q = rep["weights"]["quantized_bytes"]
+    linear = weight_param_counts(cfg)["attention"] + weight_param_counts(cfg)["mlp"]
+    emb = 49152 * 576 * 2 + weight_param_counts(cfg)["norms"] * 2
+    assert q["int8"] == linear + 30 * 2 * (960 + 576 + 3072 + 576) + emb
+    assert q["int4-g32"] < q["int8"] < rep["weights"]["bytes"]
+    with pytest.raises(ValueError):
+        quantized_weight_bytes(cfg, "int3")
+
+
 def test_weight_params_match_known_totals():
     assert weight_param_counts(llama2_7b())["total"] == 6_738_415_616
     assert weight_param_counts(llama3_8b())["total"] == 8_030_261_248
@@ -100,6 +115,9 @@ def test_engine_pool_matches_the_formula():
     assert engine_pool_bytes_per_token(cfg, 16, "bfloat16") == 128 * 1024
     assert engine_pool_bytes_per_token(cfg, 16, "float32") == 256 * 1024
     assert engine_pool_bytes_per_token(cfg, 16, "fp8") is None      # no such engine pool
+    assert engine_pool_bytes_per_token(cfg, 16, "int8") == 2 * 32 * 8 * (128 + 4)
+    assert kv_report(cfg, seq_len=1, kv_dtype="int8")["pool"]["bytes_per_token"] == \
+        engine_pool_bytes_per_token(cfg, 16, "int8")
     rep = kv_report(cfg, seq_len=10, pool_bytes_per_token=128 * 1024)
     assert rep["pool"]["source"] == "engine"
 

@@ -141,12 +141,29 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
 
 
-def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "llama") -> str:
+def _add_default_tokenizer(writer) -> None:
+    """Copy the default model's GGUF tokenizer (byte-level BPE) into ``writer``."""
+    from llmserve.model.gguf_loader import read_gguf
+
+    meta = read_gguf(default_model_path()).metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_add_bos_token(False)
+    if "tokenizer.chat_template" in meta:
+        writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "llama",
+                   embedding_quant: Optional[str] = None, with_tokenizer: bool = False) -> str:
     """Convert a tiny HF *Llama* folder to GGUF as llama.cpp would; return ``out_path``.
 
     ``quant`` is a ``GGMLQuantizationType`` name such as ``"F32"``, ``"F16"``, ``"Q8_0"`` or
     ``"Q4_1"``: 2-D weights are quantized; norms and, to keep this fast, the large token
-    embedding stay F32. ``arch`` is
+    embedding stay F32 unless ``embedding_quant`` names its type. ``with_tokenizer`` copies
+    the default model's tokenizer in, so an engine can open the file. ``arch`` is
     written as ``general.architecture`` (tests pass an unsupported one to check the error).
     """
     import gguf
@@ -170,6 +187,8 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
+    if with_tokenizer:
+        _add_default_tokenizer(writer)
     qtype = gguf.GGMLQuantizationType[quant]
     writer.add_file_type(gguf.LlamaFileType["ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"])
     tensors = {}
@@ -182,7 +201,10 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
             value = llama_cpp_permute(value, heads)
         elif hf_name.endswith("self_attn.k_proj.weight"):
             value = llama_cpp_permute(value, kv_heads)
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed_tokens" not in hf_name:
+        if "embed_tokens" in hf_name and embedding_quant is not None:
+            etype = gguf.GGMLQuantizationType[embedding_quant]
+            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(value, etype), raw_dtype=etype)
+        elif value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed_tokens" not in hf_name:
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(value))

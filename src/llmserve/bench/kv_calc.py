@@ -2,7 +2,10 @@
 
 Theoretical KV bytes for ``batch`` sequences of ``seq_len`` tokens::
 
-    2 (K and V) x layers x batch x kv_heads x seq_len x head_dim x bytes_per_element
+    2 (K and V) x layers x batch x kv_heads x seq_len x (head_dim x bytes_per_element + scale)
+
+(``scale``: 4 bytes per token and head in the engine's int8 / fp8_e4m3 caches, 0 otherwise;
+the theoretical ``fp8`` has none.)
 
 shown for the model as it is and for its attention variants with the same query heads:
 
@@ -15,12 +18,13 @@ shown for the model as it is and for its attention variants with the same query 
 Next to it, the engine's paged pool: each sequence holds whole blocks, so it occupies
 ceil(seq_len / block_size) * block_size token slots. The pool's bytes per token come from
 the engine's own ``llmserve.model.kv_cache.kv_bytes_per_block`` when ``measure_pool=True``
-(this imports torch, lazily; only float32/bfloat16/float16 pools exist in the engine),
-otherwise from the formula above.
+(this imports torch, lazily; float32/bfloat16/float16/int8/fp8_e4m3 pools exist in the
+engine), otherwise from the formula above.
 
 Weights: parameter count from the config (embeddings, attention, MLP, norms, LM head unless
-tied) x bytes of ``weights_dtype``; for a GGUF file also its size on disk and the bytes of
-its (quantized) tensors.
+tied) x bytes of ``weights_dtype``; estimates with the linears quantized (int8 per channel,
+int4 in groups); for a GGUF file also its size on disk and the bytes of its (quantized)
+tensors.
 
 Everything here except :func:`load_config` and :func:`engine_pool_bytes_per_token` is pure.
 """
@@ -34,8 +38,13 @@ from llmserve.model.config import ModelConfig
 
 #: Bytes per element of each supported KV / weight dtype name.
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-               "int8": 1, "fp8": 1}
-_ENGINE_DTYPES = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}
+               "int8": 1, "fp8": 1, "fp8_e4m3": 1}
+#: Scale bytes per token, head and K/V of the engine's quantized caches (a float32 each).
+KV_SCALE_BYTES = {"int8": 4, "fp8_e4m3": 4}
+_ENGINE_DTYPES = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8", "fp8_e4m3"}
+#: Resident bytes per weight of the engine's quantized linears, and per-row / per-group extras.
+_INT8_ROW_SCALE_BYTES = 2            # bf16 scale per output row
+_INT4_GROUP_BYTES = 4                # bf16 scale + bf16 zero per group
 
 
 def dtype_bytes(name: str) -> int:
@@ -46,14 +55,18 @@ def dtype_bytes(name: str) -> int:
 
 
 def kv_cache_bytes(num_layers: int, batch: int, num_kv_heads: int, seq_len: int, head_dim: int,
-                   bytes_per_element: int) -> int:
-    """2 x layers x batch x kv_heads x seq_len x head_dim x bytes."""
+                   bytes_per_element: int, scale_bytes: int = 0) -> int:
+    """2 x layers x batch x kv_heads x seq_len x (head_dim x bytes + scale_bytes).
+
+    ``scale_bytes``: per token and head, what a quantized cache stores beside the codes
+    (:data:`KV_SCALE_BYTES`)."""
     for name, v in (("num_layers", num_layers), ("batch", batch), ("num_kv_heads", num_kv_heads),
                     ("seq_len", seq_len), ("head_dim", head_dim),
                     ("bytes_per_element", bytes_per_element)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return 2 * num_layers * batch * num_kv_heads * seq_len * head_dim * bytes_per_element
+    return 2 * num_layers * batch * num_kv_heads * seq_len * (head_dim * bytes_per_element
+                                                                + scale_bytes)
 
 
 def gqa_kv_heads(num_heads: int, model_kv_heads: int) -> Optional[int]:
@@ -100,6 +113,38 @@ def weight_param_counts(config: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def quantized_weight_bytes(config: ModelConfig, fmt: str, weights_dtype: str = "bfloat16",
+                           quantized_table: bool = False) -> int:
+    """Resident bytes with every linear in ``fmt`` (``int8`` or ``int4-g<G>``), estimated.
+
+    Linears (attention, MLP, an untied LM head): int8 = 1 B/weight + a bf16 scale per output
+    row; int4 = 0.5 B/weight + 4 B (bf16 scale and zero) per group of G along the input.
+    The embedding and norms stay in ``weights_dtype``, except a GGUF file's quantized table
+    (``quantized_table``), which the engine keeps as int8 rows (1 B/weight + 2 B per row).
+    """
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = [(q + 2 * kv, h), (h, q), (2 * config.intermediate_size, h),
+              (h, config.intermediate_size)]                  # (out, in) per layer
+    layers = [(n, k) for n, k in shapes for _ in range(config.num_hidden_layers)]
+    if not config.tie_word_embeddings:
+        layers.append((config.vocab_size, h))
+    if fmt == "int8":
+        linear = sum(n * k + n * _INT8_ROW_SCALE_BYTES for n, k in layers)
+    elif fmt.startswith("int4-g") and fmt[6:].isdigit():
+        g = int(fmt[6:])
+        linear = sum(n * k // 2 + n * -(-k // g) * _INT4_GROUP_BYTES for n, k in layers)
+    else:
+        raise ValueError(f"unknown quantized format {fmt!r}; use int8 or int4-g<group>")
+    counts = weight_param_counts(config)
+    rest = counts["norms"] * dtype_bytes(weights_dtype)
+    if quantized_table:
+        rest += counts["embeddings"] + config.vocab_size * _INT8_ROW_SCALE_BYTES
+    else:
+        rest += counts["embeddings"] * dtype_bytes(weights_dtype)
+    return linear + rest
+
+
 def kv_report(config: ModelConfig, *, seq_len: Optional[int] = None, batch: int = 1,
               kv_dtype: str = "bfloat16", block_size: int = 16, weights_dtype: str = "bfloat16",
               pool_bytes_per_token: Optional[int] = None, kv_budget_gib: Optional[float] = None,
@@ -113,15 +158,17 @@ def kv_report(config: ModelConfig, *, seq_len: Optional[int] = None, batch: int 
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     nbytes = dtype_bytes(kv_dtype)
+    scale = KV_SCALE_BYTES.get(kv_dtype, 0)
     layers, hd = config.num_hidden_layers, config.head_dim
-    mha_total = kv_cache_bytes(layers, batch, config.num_attention_heads, seq_len, hd, nbytes)
+    mha_total = kv_cache_bytes(layers, batch, config.num_attention_heads, seq_len, hd, nbytes,
+                               scale)
     variants = []
     for name, kv_heads in attention_variants(config):
-        total = kv_cache_bytes(layers, batch, kv_heads, seq_len, hd, nbytes)
+        total = kv_cache_bytes(layers, batch, kv_heads, seq_len, hd, nbytes, scale)
         variants.append({
             "name": name, "num_kv_heads": kv_heads,
             "group_size": config.num_attention_heads // kv_heads,
-            "bytes_per_token": kv_cache_bytes(layers, 1, kv_heads, 1, hd, nbytes),
+            "bytes_per_token": kv_cache_bytes(layers, 1, kv_heads, 1, hd, nbytes, scale),
             "total_bytes": total, "ratio_vs_mha": total / mha_total,
         })
     formula_per_token = variants[0]["bytes_per_token"]
@@ -140,8 +187,13 @@ def kv_report(config: ModelConfig, *, seq_len: Optional[int] = None, batch: int 
         pool.update({"budget_gib": kv_budget_gib, "budget_blocks": blocks,
                      "budget_max_sequences": blocks // pool["blocks_per_sequence"]})
     params = weight_param_counts(config)
+    quantized_table = bool(config.quantization) and config.quantization not in (
+        "gguf:F32", "gguf:F16", "gguf:BF16")
     weights: dict = {"dtype": weights_dtype, "params": params,
-                     "bytes": params["total"] * dtype_bytes(weights_dtype)}
+                     "bytes": params["total"] * dtype_bytes(weights_dtype),
+                     "quantized_bytes": {fmt: quantized_weight_bytes(
+                         config, fmt, weights_dtype, quantized_table)
+                         for fmt in ("int8", "int4-g32", "int4-g128")}}
     if model_path and model_path.endswith(".gguf") and os.path.isfile(model_path):
         weights["gguf_file_bytes"] = os.path.getsize(model_path)
         weights["gguf_quantization"] = config.quantization
@@ -154,6 +206,7 @@ def kv_report(config: ModelConfig, *, seq_len: Optional[int] = None, batch: int 
                    "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                    "max_position_embeddings": config.max_position_embeddings},
         "seq_len": seq_len, "batch": batch, "kv_dtype": kv_dtype, "kv_dtype_bytes": nbytes,
+        "kv_scale_bytes": scale,
         "kv_bytes": variants[0]["total_bytes"], "variants": variants, "pool": pool,
         "weights": weights,
     }
@@ -188,9 +241,9 @@ def engine_pool_bytes_per_token(config: ModelConfig, block_size: int, kv_dtype: 
 
     from llmserve.model.kv_cache import kv_bytes_per_block
 
-    torch_dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                   "bf16": torch.bfloat16, "float16": torch.float16,
-                   "fp16": torch.float16}[kv_dtype]
+    from llmserve.model.platform import resolve_kv_dtype
+
+    torch_dtype = resolve_kv_dtype(kv_dtype, torch.float32)
     per_block = kv_bytes_per_block(config, block_size, torch_dtype)
     if per_block % block_size:
         raise ValueError(f"engine block of {per_block} bytes is not a whole number of tokens")
@@ -214,7 +267,8 @@ def render_text(rep: dict) -> str:
         f"{c['num_attention_heads']} heads, {c['num_key_value_heads']} kv heads, "
         f"head_dim {c['head_dim']})",
         f"seq_len {rep['seq_len']}, batch {rep['batch']}, kv dtype {rep['kv_dtype']} "
-        f"({rep['kv_dtype_bytes']} B)", "",
+        f"({rep['kv_dtype_bytes']} B" + (f" + a {rep['kv_scale_bytes']} B scale per token and head"
+                                         if rep.get("kv_scale_bytes") else "") + ")", "",
         f"{'variant':<14}{'kv heads':>9}{'bytes/token':>14}{'total':>14}{'vs MHA':>9}",
     ]
     for v in rep["variants"]:
@@ -230,6 +284,9 @@ def render_text(rep: dict) -> str:
                      f"{pool['budget_max_sequences']} sequences of this length")
     lines.append(f"weights: {w['params']['total']:,} params = {format_bytes(w['bytes'])} "
                  f"in {w['dtype']}")
+    if w.get("quantized_bytes"):
+        lines.append("  quantized linears (estimate): " + ", ".join(
+            f"{fmt} {format_bytes(n)}" for fmt, n in w["quantized_bytes"].items()))
     if "gguf_file_bytes" in w:
         lines.append(f"  GGUF file ({w.get('gguf_quantization')}): "
                      f"{format_bytes(w['gguf_file_bytes'])}"

@@ -119,13 +119,21 @@ def cmd_offline(args: argparse.Namespace, make_config: Callable) -> int:
                            "output_tokens": [args.output_min, args.output_max],
                            "output_dist": args.output_dist, "output_mean": args.output_mean,
                            "seed": args.seed, "concurrency": cfg.max_num_seqs,
-                           "dtype": llm.engine.kv_dtype},
+                           "dtype": llm.engine.dtype, "kv_dtype": llm.engine.kv_dtype,
+                           "quantization": llm.engine.runner.quantization},
               "llmserve": ours}
     print(f"llmserve      : {ours['output_tok_s']:8.1f} output tok/s "
-          f"({ours['output_tokens']} tokens in {ours['seconds']:.1f}s)")
+          f"({ours['output_tokens']} tokens in {ours['seconds']:.1f}s; "
+          f"{llm.engine.runner.quantization}, kv {llm.engine.kv_dtype})")
+    if args.eval_json:
+        from llmserve.eval.report import format_gate, gate_for
+
+        result["quality_gate"] = gate_for(args.eval_json, llm.engine.runner.quantization,
+                                          llm.engine.kv_dtype)
+        print(format_gate(result["quality_gate"]))
     if not args.skip_baseline:
         base = run_transformers_static(llm.engine.model_path, wl, cfg.max_num_seqs,
-                                       llm.engine.kv_dtype)
+                                       llm.engine.dtype)
         result["transformers_static"] = base
         result["ratio"] = ours["output_tok_s"] / base["output_tok_s"]
         print(f"transformers  : {base['output_tok_s']:8.1f} output tok/s "
@@ -220,6 +228,9 @@ def add_offline_bench_parser(bsub, add_engine_args: Callable, make_config: Calla
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--skip-baseline", action="store_true")
     o.add_argument("--json", default=None, help="write the figures to this JSON file")
+    o.add_argument("--eval-json", default=None,
+                   help="an `llmserve eval --json` report: attach this configuration's "
+                        "quality-gate row to the figures")
     o.set_defaults(func=lambda a: cmd_offline(a, make_config))
 
     p = bsub.add_parser("prefix", help="shared-prefix workload, prefix cache on vs off")

@@ -151,7 +151,7 @@ def cmd_step(args: argparse.Namespace, make_config: Callable) -> int:
         rows[b] = profile_batch(engine, b, args.prompt_len, args.steps, args.trace)
     mode = "compiled" if runner.compiled is not None and not runner.compiled.failed else "eager"
     print(f"model {engine.model_name}  dtype {engine.dtype}  kv {engine.kv_dtype}  {mode}  "
-          f"attention {runner.backend.name}")
+          f"attention {runner.backend.name}  weights {runner.quantization}")
     print(f"weights resident {weight_bytes / 1e6:.1f} MB   read bandwidth {bw / 1e9:.1f} GB/s   "
           f"batch-1 roofline {roofline_ms:.2f} ms")
     head = "batch " + "".join(f"{p:>10s}" for p in PHASES) + f"{'step ms':>10s}{'tok/s':>9s}"

@@ -210,4 +210,6 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             num_steps=s.step_index,
             num_step_errors=self.num_step_errors,
+            weight_bytes=getattr(self.runner, "weight_bytes", 0),
+            kv_bytes_per_token=getattr(self.runner, "kv_bytes_per_token", 0),
         )

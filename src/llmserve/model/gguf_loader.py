@@ -329,23 +329,70 @@ def dequantize_tensor(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(info.shape)
 
 
-def iter_gguf_weights(gguf_file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+#: Types yielded dense even in raw mode: already floating point.
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+@dataclass(frozen=True)
+class RawGGUFTensor:
+    """A block-quantized 2-D GGUF tensor kept as its bytes, rows already in HF order.
+
+    ``data`` is uint8 ``(rows, bytes_per_row)``: each row is a run of ``qtype`` blocks along
+    the input dimension, so reordering whole rows (the Q/K rotary un-permutation) reorders
+    the quantized weights exactly. ``shape`` is the logical ``(rows, cols)``.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+    data: np.ndarray
+
+    def dequantize(self, row_start: int = 0, row_end: "int | None" = None) -> np.ndarray:
+        """Float32 values of rows ``[row_start, row_end)``, as ``gguf.quants.dequantize`` gives."""
+        rows = self.data[row_start:row_end]
+        try:
+            values = dequantize(rows, self.qtype)
+        except NotImplementedError as exc:
+            raise ValueError(f"GGUF tensor {self.name}: quantization {self.qtype.name} is not "
+                             "supported") from exc
+        return np.asarray(values, dtype=np.float32).reshape(rows.shape[0], self.shape[1])
+
+
+def _rotary_heads(arch: str, name: str, config: ModelConfig) -> "int | None":
+    if arch != "llama":
+        return None
+    if ".self_attn.q_proj." in name:
+        return config.num_attention_heads
+    if ".self_attn.k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
+def iter_gguf_weights(gguf_file: GGUFFile, config: ModelConfig,
+                      raw: bool = False) -> Iterator[tuple[str, "np.ndarray | RawGGUFTensor"]]:
     """Yield ``(hf_name, float32 array)`` for every tensor, dequantized and in HF layout.
 
     Q and K projections of Llama-architecture files are un-permuted back to HF's rotary layout
     (Q with ``num_attention_heads``, K with ``num_key_value_heads``); Qwen files are not permuted.
+    With ``raw``, block-quantized matrices come as :class:`RawGGUFTensor` (bytes, rows
+    un-permuted) for a quantized linear method to repack; float tensors stay dense.
     """
     arch = _architecture(gguf_file)
     data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
     try:
         for info in gguf_file.tensors.values():
             name = hf_tensor_name(info.name)
+            heads = _rotary_heads(arch, name, config)
+            if raw and len(info.shape) == 2 and info.qtype not in _FLOAT_TYPES:
+                rows = np.array(data[info.offset:info.offset + info.nbytes]).reshape(
+                    info.shape[0], -1)
+                if heads is not None:
+                    rows = unpermute_rotary(rows, heads)
+                yield name, RawGGUFTensor(name, info.qtype, (info.shape[0], info.shape[1]), rows)
+                continue
             values = dequantize_tensor(data, info)
-            if arch == "llama":
-                if ".self_attn.q_proj." in name:
-                    values = unpermute_rotary(values, config.num_attention_heads)
-                elif ".self_attn.k_proj." in name:
-                    values = unpermute_rotary(values, config.num_key_value_heads)
+            if heads is not None:
+                values = unpermute_rotary(values, heads)
             yield name, values
     finally:
         del data

@@ -1,7 +1,8 @@
 """The paged KV pool: one K and one V tensor per layer, sized from the engine config.
 
 Layout per layer: ``(num_slots, kv_heads, head_dim)`` with ``slot = block * block_size +
-offset``. One extra *scratch* block after the usable ones absorbs the writes of padded rows
+offset`` (int8/fp8 caches: ``head_dim + 4``, the codes then a float32 scale per token and
+head; see llmserve.model.quant.kv). One extra *scratch* block after the usable ones absorbs the writes of padded rows
 (compiled steps pad the batch) and pads block tables; the block manager never hands it out::
 
     blocks: [ 0 | 1 | ... | num_blocks - 1 | scratch ]
@@ -20,14 +21,16 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.model.config import ModelConfig
 from llmserve.model.platform import available_memory_bytes
+from llmserve.model.quant.kv import kv_bytes_per_head, kv_row_width
 
 logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block: 2 * layers * block_size * kv_heads * head_dim * bytes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    """K and V, every layer, one block: 2 * layers * block_size * kv_heads * row bytes, where a
+    row is head_dim elements (+ a 4-byte scale in an int8/fp8 cache)."""
+    per_head = kv_bytes_per_head(cfg.head_dim, dtype)
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per_head
 
 
 def plan_num_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype,
@@ -68,7 +71,7 @@ class KVCachePool:
         self.dtype = dtype
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
-        shape = (slots, model.num_key_value_heads, model.head_dim)
+        shape = (slots, model.num_key_value_heads, kv_row_width(model.head_dim, dtype))
         self.caches = [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
                        for _ in range(model.num_hidden_layers)]
         self.bytes_per_token = kv_bytes_per_block(model, 1, dtype)

@@ -11,7 +11,9 @@ Whatever the source, the result uses Hugging Face parameter names::
     lm_head.weight                                      (absent when tie_word_embeddings)
 
 GGUF tensors are dequantized to float32 and their Q/K rows un-permuted to HF's rotary layout,
-so model code never needs to know where the weights came from.
+so model code never needs to know where the weights came from. A quantized linear method may
+instead ask ``CheckpointSource.iter_weights(raw_gguf=True)`` for the block-quantized matrices
+as :class:`RawGGUFTensor` (bytes, rows un-permuted) and repack them without dequantizing.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ import torch
 from safetensors import safe_open
 
 from llmserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from llmserve.model.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
+from llmserve.model.gguf_loader import (
+    RawGGUFTensor, gguf_model_config, iter_gguf_weights, read_gguf,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +142,11 @@ def hf_model_config(folder: str) -> ModelConfig:
     arch_name, arch = _hf_architecture(cfg, config_path)
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "unknown")
-        raise ValueError(f"{config_path!r}: quantized HF checkpoints ({method}) are not supported")
+        raise ValueError(
+            f"{config_path!r}: pre-quantized HF checkpoints ({method}) are not supported; "
+            "load the float checkpoint and quantize at load with --quantization int8|int4 "
+            "(int8 per channel, int4 groups of 32/64/128/256), or use a GGUF file (Q4_0, "
+            "Q4_1, Q4_K kept as int4; Q5_*, Q6_K, Q8_0 as int8; F16/BF16/F32 dense)")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{config_path!r}: mlp_bias=true is not supported")
     try:
@@ -309,22 +317,28 @@ class CheckpointSource:
     weights_fingerprint: str
     generation_config: dict
     path: str
-    _tensors: Callable[[], Iterable[tuple[str, Any]]]
+    _tensors: Callable[[bool], Iterable[tuple[str, Any]]]   # raw_gguf -> (name, value)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, raw_gguf: bool = False
+                     ) -> Iterator[tuple[str, "torch.Tensor | RawGGUFTensor"]]:
         """Yield ``(hf_name, tensor)`` in the checkpoint's dtype (GGUF: dequantized float32),
-        checking names and shapes; raises ValueError for a missing or unexpected tensor."""
+        checking names and shapes; raises ValueError for a missing or unexpected tensor.
+
+        ``raw_gguf``: a GGUF file's block-quantized matrices come as :class:`RawGGUFTensor`
+        (their bytes, rows in HF order) for a quantized linear method; no effect on HF folders.
+        """
         expected = expected_weight_shapes(self.config)
         seen: set[str] = set()
         unexpected = []
-        for name, value in self._tensors():
+        for name, value in self._tensors(raw_gguf):
             if name.endswith(_IGNORED_SUFFIXES) or (
                     name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             if name not in expected:
                 unexpected.append(name)
                 continue
-            tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+            tensor = value if isinstance(value, (torch.Tensor, RawGGUFTensor)) else \
+                torch.from_numpy(value)
             if tuple(tensor.shape) != expected[name]:
                 raise ValueError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {expected[name]} from the config")
@@ -345,14 +359,14 @@ def open_checkpoint(path: str) -> CheckpointSource:
         config = gguf_model_config(gguf_file)
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
         files = [gguf_file.path]
-        tensors = lambda: iter_gguf_weights(gguf_file, config)  # noqa: E731
+        tensors = lambda raw: iter_gguf_weights(gguf_file, config, raw=raw)  # noqa: E731
     elif os.path.isdir(path):
         config = hf_model_config(path)
         st_files = _safetensors_files(path)
         gen_path = os.path.join(path, "generation_config.json")
         generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
         files = [os.path.join(path, "config.json")] + st_files
-        tensors = lambda: _iter_safetensors(st_files)  # noqa: E731
+        tensors = lambda raw: _iter_safetensors(st_files)  # noqa: E731
     else:
         raise FileNotFoundError(f"model path {path!r} is neither an HF model folder nor a .gguf file")
     fingerprint = fingerprint_files(files, extra=f"quantization={config.quantization}\n")

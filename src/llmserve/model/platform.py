@@ -60,9 +60,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto``: the model's dtype."""
+    """``auto``: the model's dtype; ``int8`` / ``fp8_e4m3``: a quantized cache
+    (llmserve.model.quant.kv)."""
     if name == "auto":
         return model_dtype
+    if name in ("int8", "fp8_e4m3"):
+        from llmserve.model.quant.kv import KV_QUANT_DTYPES
+
+        if name not in KV_QUANT_DTYPES:
+            raise ValueError(f"kv cache dtype {name} needs a torch with float8_e4m3fn")
+        return KV_QUANT_DTYPES[name]
     return resolve_dtype(name, torch.device("cpu"))
 
 

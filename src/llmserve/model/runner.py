@@ -22,10 +22,10 @@ from llmserve.model.compile import CompiledDecodeStep
 from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
-from llmserve.model.layers.linear import DenseLinearMethod
 from llmserve.model.loader import CheckpointSource
 from llmserve.model.models.llama import LlamaForCausalLM
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
+from llmserve.model.quant import describe_quantization, select_linear_method
 from llmserve.model.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,17 @@ class ModelRunner:
         self.backend = make_backend(backend_name, mc.num_attention_heads, mc.num_key_value_heads,
                                     mc.head_dim, cfg.block_size)
         t0 = time.time()
-        self.model = LlamaForCausalLM(mc, self.backend, DenseLinearMethod(), self.dtype,
+        method = select_linear_method(cfg.quantization, cfg.quantization_group_size, mc,
+                                      self.dtype, self.device)
+        self.model = LlamaForCausalLM(mc, self.backend, method, self.dtype,
                                       self.device, max_positions=max_model_len + 1)
         with torch.inference_mode():
-            self.model.load_weights(source.iter_weights())
+            self.model.load_weights(source.iter_weights(raw_gguf=method.wants_raw_gguf))
         self.model.eval()
         self.weight_bytes = self.model.weight_bytes
-        logger.info("weights: %.1f MB resident (%s) in %.1fs", self.weight_bytes / 1e6,
-                    str(self.dtype).replace("torch.", ""), time.time() - t0)
+        self.quantization = describe_quantization(self.model)
+        logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
+                    str(self.dtype).replace("torch.", ""), self.quantization, time.time() - t0)
         self.num_blocks = plan_num_blocks(cfg, mc, self.kv_dtype, self.device, max_model_len)
         self.kv = KVCachePool(mc, self.num_blocks, cfg.block_size, self.kv_dtype, self.device)
         self.kv_caches = self.kv.caches
@@ -88,6 +91,10 @@ class ModelRunner:
     @property
     def kv_pool_bytes(self) -> int:
         return self.kv.pool_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv.bytes_per_token
 
     def warmup(self) -> None:
         """Compile the decode step for every batch bucket now (else on first use)."""

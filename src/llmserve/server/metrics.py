@@ -116,6 +116,12 @@ class EngineStatsCollector(Collector):
         yield ("counter", "llmserve_step_errors",
                "Engine steps whose model execution raised (the failing requests were "
                "isolated and failed alone)", s.num_step_errors)
+        yield ("gauge", "llmserve_model_weight_bytes",
+               "Bytes of model weights resident (quantized formats at their packed size)",
+               getattr(s, "weight_bytes", 0))
+        yield ("gauge", "llmserve_kv_cache_bytes_per_token",
+               "KV-pool bytes per token slot: all layers, K and V, quantization scales included",
+               getattr(s, "kv_bytes_per_token", 0))
 
 
 class ServerMetrics:

@@ -12,7 +12,9 @@ step may instead come through ``decode_metadata`` (pure tensor ops, traced into 
 step). Backends: ``reference`` (gather + SDPA, the yardstick) and ``paged`` (decodes read the
 paged cache in place when compiled).
 
-KV cache per layer: ``(num_slots, kv_heads, head_dim)``, slot = block * block_size + offset.
+KV cache per layer: ``(num_slots, kv_heads, head_dim)``, slot = block * block_size + offset;
+an int8/fp8 cache has ``head_dim + 4`` (codes, then a float32 scale: llmserve.model.quant.kv),
+and every read goes through ``load_kv``, every write through ``store_kv``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from llmserve.model.quant.kv import load_kv, store_kv
 
 @dataclass
 class StepBatch:
@@ -107,9 +110,9 @@ class AttentionBackend(ABC):
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V at their slots (cast to the cache dtype)."""
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store the new tokens' K/V at their slots (cast to the cache dtype, or quantized)."""
+    store_kv(k_cache, slot_mapping, k)
+    store_kv(v_cache, slot_mapping, v)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
@@ -120,9 +123,9 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
     elements), which streams at memory speed.
     """
     b, w = block_ids.shape
-    _, hkv, d = cache.shape
+    _, hkv, d = cache.shape     # d: head_dim, or head_dim + 4 in a quantized cache
     rows = cache.view(-1, block_size * hkv * d).index_select(0, block_ids.flatten())
-    return rows.view(b, w * block_size, hkv, d).transpose(1, 2).to(dtype)
+    return load_kv(rows.view(b, w * block_size, hkv, d), dtype).transpose(1, 2)
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -18,6 +18,7 @@ import torch
 
 from llmserve.model.attention.backend import AttentionMetadata, StepBatch, write_kv
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
+from llmserve.model.quant.kv import load_kv
 
 
 def paged_decode_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -28,11 +29,11 @@ def paged_decode_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     g = h // hkv
     length = slots.shape[1]
     qf = q.view(b, 1, hkv, g, d).float()
-    keys = k_cache[slots].float().unsqueeze(3)                  # (B, L, Hkv, 1, D), fused load
+    keys = load_kv(k_cache[slots], torch.float32).unsqueeze(3)  # (B, L, Hkv, 1, D), fused load
     scores = (qf * keys).sum(-1) * scale                        # (B, L, Hkv, G)
     scores = scores.masked_fill(~valid.view(b, length, 1, 1), float("-inf"))
     probs = torch.softmax(scores, dim=1)
-    values = v_cache[slots].float().unsqueeze(3)                # (B, L, Hkv, 1, D)
+    values = load_kv(v_cache[slots], torch.float32).unsqueeze(3)  # (B, L, Hkv, 1, D)
     out = (probs.unsqueeze(-1) * values).sum(1)                 # (B, Hkv, G, D)
     return out.reshape(b, h * d).to(q.dtype)
 

@@ -1,4 +1,10 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight).
+
+A GGUF file's block-quantized table (given raw by a quantized load) is kept as int8 rows with
+one bf16 scale each (:class:`Int8Weight`): the lookup dequantizes the selected rows and a tied
+head multiplies with ``_weight_int8pack_mm`` on the same bytes, so the table is held once at
+1 byte per weight. A float table stays dense in the model dtype.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,27 +13,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model.gguf_loader import RawGGUFTensor
 from llmserve.model.layers import cpu_kernels
 from llmserve.model.layers.linear import Linear, LinearMethod
 
+_QUANT_CHUNK_ROWS = 4096
+
+
+def _int8_table(raw: RawGGUFTensor, device: torch.device):
+    """Requantize a GGUF table to int8 per row, a few thousand rows at a time."""
+    from llmserve.model.quant.kernels import Int8Weight, quantize_int8
+
+    rows = raw.shape[0]
+    q = torch.empty(raw.shape, dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.bfloat16)
+    for start in range(0, rows, _QUANT_CHUNK_ROWS):
+        end = min(start + _QUANT_CHUNK_ROWS, rows)
+        q[start:end], scale[start:end] = quantize_int8(torch.from_numpy(raw.dequantize(start, end)))
+    return Int8Weight(q.to(device), scale.to(device))
+
 
 class VocabEmbedding(nn.Module):
-    """``ids (T,) -> (T, hidden)`` lookup in a ``(vocab, hidden)`` table of the model dtype."""
+    """``ids (T,) -> (T, hidden)`` lookup in a ``(vocab, hidden)`` table of the model dtype
+    (or int8 rows when loaded from a block-quantized GGUF tensor)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
+        self.shape = (vocab_size, hidden_size)
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.qweight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(ids, self.dtype)
         return F.embedding(ids, self.weight)
 
-    def load(self, name: str, tensor: torch.Tensor, shard: object = None) -> None:
-        if name != "weight" or tuple(tensor.shape) != tuple(self.weight.shape):
-            raise ValueError(f"embedding {tuple(self.weight.shape)} cannot load {name} of shape "
+    def load(self, name: str, tensor: "torch.Tensor | RawGGUFTensor", shard: object = None) -> None:
+        if name != "weight" or tuple(tensor.shape) != self.shape:
+            raise ValueError(f"embedding {self.shape} cannot load {name} of shape "
                              f"{tuple(tensor.shape)}")
+        if isinstance(tensor, RawGGUFTensor):
+            device = self.weight.device
+            self.weight = None
+            self.qweight = _int8_table(tensor, device)
+            return
+        if self.weight is None:
+            raise ValueError("embedding loaded twice")
         self.weight.data.copy_(tensor)
+
+    @property
+    def weight_bytes(self) -> int:
+        if self.qweight is not None:
+            return self.qweight.nbytes
+        return self.weight.numel() * self.weight.element_size()
 
 
 class LMHead(nn.Module):
@@ -49,7 +90,8 @@ class LMHead(nn.Module):
         self.packed_id: Optional[int] = None
 
     def finish_loading(self, prepack: bool = True) -> None:
-        if self.linear is None and prepack and cpu_kernels.can_prepack(self.tied.weight):
+        if self.linear is None and self.tied.weight is not None and prepack \
+                and cpu_kernels.can_prepack(self.tied.weight):
             self.packed_id = cpu_kernels.prepack_linear(self.tied.weight.data)
 
     @property
@@ -64,6 +106,8 @@ class LMHead(nn.Module):
             return self.linear(x).float()
         if self.packed_id is not None:
             return cpu_kernels.packed_linear(x, self.packed_id, self.vocab_size).float()
+        if self.tied.qweight is not None:
+            return self.tied.qweight(x).float()
         return F.linear(x, self.tied.weight).float()
 
     def __del__(self) -> None:

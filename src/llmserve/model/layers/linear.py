@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 class LinearMethod(ABC):
     """How one family of weight formats is stored and multiplied."""
 
+    #: True: the loader hands this method a GGUF file's quantized matrices as raw blocks
+    #: (``RawGGUFTensor``) instead of dequantized float32.
+    wants_raw_gguf = False
+
     @abstractmethod
     def create_weights(self, layer: "Linear", dtype: torch.dtype, device: torch.device) -> None:
         """Register the layer's parameters for ``layer.input_size`` x ``sum(layer.output_sizes)``."""

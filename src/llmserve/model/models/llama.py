@@ -171,9 +171,9 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of the weights as resident (packed linears at their packed size)."""
         total = 0
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, VocabEmbedding)):
                 total += module.weight_bytes
-            elif isinstance(module, (RMSNorm, VocabEmbedding)):
+            elif isinstance(module, RMSNorm):
                 total += sum(p.numel() * p.element_size() for p in module.parameters(False))
         return total + self.lm_head.extra_bytes - (
             self.lm_head.linear.weight_bytes if self.lm_head.linear is not None else 0)

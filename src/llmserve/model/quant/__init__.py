@@ -1,0 +1,88 @@
+"""Weight quantization: which linear method an engine runs, and what it ended up holding.
+
+``--quantization`` (EngineConfig.quantization):
+
+    none  dense weights in the model dtype (a GGUF file is dequantized at load)
+    auto  a GGUF file keeps its quantized weights packed (GGUFLinearMethod) when the model
+          runs bf16 activations on the CPU (the kernels' arithmetic); otherwise, like none.
+          HF float checkpoints stay dense.
+    int8  every linear int8 per output channel (round-to-nearest at load)
+    int4  every linear int4 in groups of ``quantization_group_size`` (32/64/128/256),
+          round-to-nearest at load; a GGUF file's 4-bit blocks of 32 are kept exactly
+
+An explicit int8/int4 with a float32 model converts activations to bf16 around each
+quantized product. The kernels are CPU-only; other devices need ``none``.
+See docs/QUANTIZATION.md for formats, kernels, errors and figures.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers.embedding import VocabEmbedding
+from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
+from llmserve.model.quant.kernels import kernels_available
+from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+_FLOAT_FILE_TYPES = ("gguf:F32", "gguf:F16", "gguf:BF16")
+
+
+def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
+                         dtype: torch.dtype, device: torch.device) -> LinearMethod:
+    """The LinearMethod for ``--quantization`` on this model, dtype and device.
+
+    Raises:
+        ValueError: an unknown choice, or int8/int4 on a device without the kernels.
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
+                         f"got {quantization!r}")
+    if quantization == "none":
+        return DenseLinearMethod()
+    usable = kernels_available(device)
+    if quantization == "auto":
+        packed_file = model.source_format == "gguf" and model.quantization not in _FLOAT_FILE_TYPES
+        if packed_file and usable and dtype == torch.bfloat16:
+            return GGUFLinearMethod()
+        if packed_file:
+            logger.info("quantization auto: %s weights dequantized to %s (packed kernels need "
+                        "bf16 activations on the CPU)", model.quantization,
+                        str(dtype).replace("torch.", ""))
+        return DenseLinearMethod()
+    if not usable:
+        raise ValueError(f"--quantization {quantization} needs the CPU int4/int8 kernels; "
+                         f"device {device} has none (use --quantization none)")
+    if quantization == "int8":
+        return Int8LinearMethod()
+    return Int4LinearMethod(group_size)
+
+
+def describe_quantization(model: nn.Module) -> str:
+    """What the loaded model holds, e.g. ``linear:int4-g32x210;embedding:int8``.
+
+    It names the runtime formats, so two engines with the same file but different
+    ``--quantization`` (or dtype) never share a fingerprint.
+    """
+    formats: Counter = Counter()
+    embedding = "none"
+    for module in model.modules():
+        if isinstance(module, Linear):
+            fmt = getattr(module, "qformat", None)
+            if fmt is None or fmt == "dense":
+                fmt = "dense"
+            formats[fmt] += 1
+        elif isinstance(module, VocabEmbedding):
+            embedding = "int8" if module.qweight is not None else "dense"
+    linear = ",".join(f"{k}x{v}" for k, v in sorted(formats.items()))
+    return f"linear:{linear};embedding:{embedding}"
+
+
+__all__ = ["QUANTIZATION_CHOICES", "describe_quantization", "select_linear_method",
+           "GGUFLinearMethod", "Int4LinearMethod", "Int8LinearMethod"]

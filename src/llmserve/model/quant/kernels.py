@@ -1,0 +1,203 @@
+"""Weight-only quantized matrix products on PyTorch's own CPU kernels, and their packers.
+
+Two formats, both multiplied with bf16 activations (the kernels' fast path; a float32 model
+converts ``x`` to bf16 around the op and the result back)::
+
+    int4, group g (32/64/128/256)   w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g]
+        q in 0..15, packed by ``aten._convert_weight_to_int4pack_for_cpu`` into its blocked
+        layout (0.5 byte per weight); ``scales_zeros`` is (K // g, N, 2) bf16.
+        Product: ``aten._weight_int4pack_mm_for_cpu(x, packed, g, scales_zeros)``.
+    int8, per output channel        w[n, k] = q[n, k] * scale[n]
+        q in -127..127 (int8, row-major), scale (N,) bf16.
+        Product: ``aten._weight_int8pack_mm(x, q, scale)``.
+
+The int4 kernel works on 64-column tiles of at most 4 rows of ``x`` and dequantizes each
+weight tile once per 4 rows, so it is bandwidth-bound (fast) for small batches and
+compute-bound for large ones (docs/QUANTIZATION.md has the figures). It needs N to be a
+multiple of 16: other widths are padded with zero rows and the output is cut back.
+
+``quantize_int4`` / ``quantize_int8`` are round-to-nearest quantizers of float weights; the
+scales are rounded to bf16 first and the codes computed against the rounded scales, so the
+kernel reconstructs exactly the values the codes were chosen for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Activation and scale dtype of both kernels.
+KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_N_ALIGN = 16
+
+
+@dataclass
+class Int4Groups:
+    """Affine 4-bit codes by groups of ``group_size`` along K: ``w = (q - 8) * scale + zero``.
+
+    ``q`` is uint8 (rows, K) holding 0..15; ``scale`` and ``zero`` are float32 (rows, K // g).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 weights (rows, K) as the codes and float32 scales define them."""
+        rows, k = self.q.shape
+        g = self.group_size
+        q = self.q.view(rows, k // g, g).float() - 8.0
+        return (q * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).view(rows, k)
+
+    @staticmethod
+    def cat(parts: "list[Int4Groups]") -> "Int4Groups":
+        """Stack shards along the output rows (all must share the group size)."""
+        sizes = {p.group_size for p in parts}
+        if len(sizes) != 1:
+            raise ValueError(f"cannot fuse int4 shards with group sizes {sorted(sizes)}")
+        return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]), parts[0].group_size)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Groups:
+    """Asymmetric round-to-nearest int4 of float weights (rows, K) by groups along K.
+
+    Per group: scale = (max - min) / 15, zero = min + 8 * scale (bf16-rounded), then
+    q = clamp(round((w - zero) / scale) + 8, 0, 15). Error <= scale / 2 + the bf16 rounding of
+    the group's scale and zero.
+    """
+    rows, k = w.shape
+    if group_size not in INT4_GROUP_SIZES or k % group_size:
+        raise ValueError(f"int4 needs K ({k}) divisible by a group size in {INT4_GROUP_SIZES}, "
+                         f"got {group_size}")
+    groups = w.float().reshape(rows, k // group_size, group_size)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12).to(KERNEL_DTYPE).float()
+    zero = (lo + 8.0 * scale).to(KERNEL_DTYPE).float()
+    q = torch.round((groups - zero.unsqueeze(-1)) / scale.unsqueeze(-1)) + 8.0
+    q = q.clamp_(0, 15).to(torch.uint8).reshape(rows, k)
+    return Int4Groups(q, scale, zero, group_size)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest int8 per row: ``(q int8 (rows, K), scale bf16 (rows,))``.
+
+    scale = max|w_row| / 127 (bf16-rounded); error <= scale / 2 per weight.
+    """
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127.0).clamp_min(1e-12).to(KERNEL_DTYPE)
+    q = torch.round(w / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != KERNEL_DTYPE:
+        x2 = x2.to(KERNEL_DTYPE)
+    return x2.contiguous()
+
+
+class Int4Weight(nn.Module):
+    """A packed int4 weight (N, K) and its product ``x (..., K) -> (..., N)``."""
+
+    def __init__(self, groups: Int4Groups) -> None:
+        super().__init__()
+        n, k = groups.q.shape
+        self.out_features, self.in_features = n, k
+        self.group_size = groups.group_size
+        q, scale, zero = groups.q, groups.scale, groups.zero
+        pad = -n % _N_ALIGN
+        if pad:   # zero rows: q = 8, scale = 0, zero = 0 -> w = 0
+            q = torch.cat([q, q.new_full((pad, k), 8)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), 1), persistent=False)
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(
+            KERNEL_DTYPE).contiguous(), persistent=False)
+        self.padded = bool(pad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_as_kernel_input(x), self.qweight,
+                                                       self.group_size, self.scales_zeros)
+        if self.padded:
+            y = y[:, :self.out_features]
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"int4 g{self.group_size}, {self.out_features}x{self.in_features}"
+
+
+#: Above this many rows, int8 products dequantize the weight tile by tile to bf16 and use a
+#: dense GEMM: ``_weight_int8pack_mm`` costs about one weight pass per row of ``x``.
+INT8_GEMM_MIN_ROWS = 5
+_TILE_ELEMENTS = 1 << 21      # ~4 MB of bf16 per dequantized tile: stays in the L3 cache
+
+
+@torch.library.custom_op("llmserve::int8_tiled_mm", mutates_args=())
+def int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x (M, K) bf16 @ (q * scale)^T`` through bf16 tiles of ~4 MB (for larger M)."""
+    n, k = q.shape
+    rows = max(64, _TILE_ELEMENTS // k)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        out[:, start:start + rows] = F.linear(x, q[start:start + rows].to(x.dtype))
+    return out.mul_(scale)
+
+
+@int8_tiled_mm.register_fake
+def _int8_tiled_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+class Int8Weight(nn.Module):
+    """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
+
+    Up to 4 rows the product is ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the
+    int8 bytes); from 5 rows on, bf16 tiles of the weight feed a dense GEMM
+    (:func:`int8_tiled_mm`), whose cost grows far slower with the row count.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise ValueError(f"int8 weight needs q int8 (N, K) and scale (N,), got "
+                             f"{q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}")
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q.contiguous(), persistent=False)
+        self.register_buffer("scale", scale.to(KERNEL_DTYPE).contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _as_kernel_input(x)
+        if x2.shape[0] >= INT8_GEMM_MIN_ROWS:
+            y = int8_tiled_mm(x2, self.qweight, self.scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows ``ids`` (an embedding lookup in the same table)."""
+        q = self.qweight.index_select(0, ids.reshape(-1))
+        s = self.scale.index_select(0, ids.reshape(-1))
+        out = q.to(dtype) * s.to(dtype).unsqueeze(-1)
+        return out.view(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"int8 per-channel, {self.out_features}x{self.in_features}"
+
+
+def kernels_available(device: torch.device) -> bool:
+    """The weight-only int4/int8 CPU kernels exist for ``device`` (CPU only for now)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

@@ -1,0 +1,200 @@
+"""Quantized linear methods: int4 (group-wise), int8 (per channel), and GGUF-as-stored.
+
+They are siblings of :class:`~llmserve.model.layers.linear.DenseLinearMethod`; a model file
+builds the same ``Linear`` whatever the method. Loading is staged per layer: each checkpoint
+tensor (a float tensor, or a :class:`RawGGUFTensor` of a GGUF file) is decoded into a
+*shard* (exact int4 groups, or float32 values), and as soon as every shard of a fused layer
+(q/k/v, gate/up) is in, the layer is packed once and the staging freed::
+
+    checkpoint tensor --decode--> shard --(all shards in)--> choose format --> pack
+       Q4_0/Q4_1/Q4_K               Int4Groups (exact)            int4 | int8 | dense
+       other GGUF types, HF floats  float32 values
+
+Which format a layer gets:
+
+    Int4LinearMethod(g)   int4 group g; exact int4 shards of group g are kept, the rest RTN
+    Int8LinearMethod      int8 per channel (RTN of the float values)
+    GGUFLinearMethod      what the file holds: int4 when every shard is a 4-bit type, dense
+                          when any shard is a float type (F32/F16/BF16), int8 otherwise
+                          (Q8_0, Q5_*, Q6_K, ... and fused mixes such as Q4_K q/k + Q6_K v)
+
+The packed weight is a submodule ``layer.qweight`` (:class:`Int4Weight` / :class:`Int8Weight`);
+dense layers fall back to :class:`DenseLinearMethod`. The layer's bias stays dense.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from llmserve.model.gguf_loader import RawGGUFTensor
+from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
+from llmserve.model.quant.gguf_blocks import dequantize_raw, to_int4_groups
+from llmserve.model.quant.kernels import (
+    INT4_GROUP_SIZES, Int4Groups, Int4Weight, Int8Weight, quantize_int4, quantize_int8,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Where a shard's values came from (the GGUF policy keys on it).
+EXACT_INT4, OTHER_QUANT, FLOAT = "int4", "quant", "float"
+
+
+@dataclass
+class Shard:
+    """One checkpoint tensor of a layer, decoded: exact int4 groups or float32 values."""
+
+    origin: str                       # EXACT_INT4 | OTHER_QUANT | FLOAT
+    values: Union[Int4Groups, torch.Tensor]
+
+    def as_float(self) -> torch.Tensor:
+        return self.values.dequantize() if isinstance(self.values, Int4Groups) else self.values
+
+
+def decode_shard(tensor: "torch.Tensor | RawGGUFTensor") -> Shard:
+    """Turn a checkpoint tensor into a :class:`Shard` without a dense detour where possible."""
+    if isinstance(tensor, RawGGUFTensor):
+        groups = to_int4_groups(tensor)
+        if groups is not None:
+            return Shard(EXACT_INT4, groups)
+        return Shard(OTHER_QUANT, dequantize_raw(tensor))
+    return Shard(FLOAT, tensor.float())
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """Shared staging and dispatch; subclasses choose the packed format of a full layer."""
+
+    #: The loader should hand this method GGUF matrices as raw blocks.
+    wants_raw_gguf = True
+
+    def __init__(self) -> None:
+        self.dense = DenseLinearMethod()
+
+    # ---- the format decision ----------------------------------------------------------------
+    def choose_format(self, shards: list[Shard]) -> str:
+        """``"int4"``, ``"int8"`` or ``"dense"`` for a layer made of ``shards``."""
+        raise NotImplementedError
+
+    def int4_group_size(self) -> int:
+        return 32
+
+    # ---- LinearMethod -------------------------------------------------------------------------
+    def create_weights(self, layer: Linear, dtype: torch.dtype, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"quantized linears run on the CPU kernels only (device {device}); "
+                             "use --quantization none on this device")
+        layer.weight = None
+        layer.bias = None
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
+                                      requires_grad=False)
+        layer.packed_id = None
+        layer.qweight = None
+        layer.qformat = None
+        layer.dtype = dtype
+        layer.staged = {}
+
+    def load_weight(self, layer: Linear, name: str, tensor: "torch.Tensor | RawGGUFTensor",
+                    shard: Optional[int]) -> None:
+        if name == "bias":
+            self.dense.load_weight(layer, name, tensor, shard)
+            return
+        if name != "weight":
+            raise ValueError(f"layer has no {name!r} parameter")
+        if layer.qformat is not None:
+            raise ValueError("weights loaded twice into a packed layer")
+        rows = layer.output_size if shard is None else layer.output_sizes[shard]
+        if tuple(tensor.shape) != (rows, layer.input_size):
+            raise ValueError(f"weight: checkpoint shape {tuple(tensor.shape)} does not fit "
+                             f"{(rows, layer.input_size)} (shard {shard})")
+        layer.staged[-1 if shard is None else shard] = decode_shard(tensor)
+        if -1 in layer.staged or len(layer.staged) == len(layer.output_sizes):
+            self._pack(layer)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.qformat is None:
+            missing = [i for i in range(len(layer.output_sizes)) if i not in layer.staged]
+            raise ValueError(f"linear layer {layer.output_sizes} never received shards {missing}")
+
+    def _pack(self, layer: Linear) -> None:
+        shards = [layer.staged[k] for k in sorted(layer.staged)]
+        layer.staged = {}
+        fmt = self.choose_format(shards)
+        g = self.int4_group_size()
+        if fmt == "int4" and layer.input_size % g:
+            fits = [s for s in INT4_GROUP_SIZES if s < g and layer.input_size % s == 0]
+            if fits:
+                logger.info("linear %s: input size %d is not a multiple of the int4 group %d; "
+                            "using groups of %d", layer.output_sizes, layer.input_size, g,
+                            fits[-1])
+                g = fits[-1]
+            else:
+                logger.warning("linear %s: input size %d fits no int4 group; kept dense",
+                               layer.output_sizes, layer.input_size)
+                fmt = "dense"
+        if fmt == "int4":
+            exact = all(isinstance(s.values, Int4Groups) and s.values.group_size == g
+                        for s in shards)
+            groups = Int4Groups.cat([s.values for s in shards]) if exact else \
+                quantize_int4(torch.cat([s.as_float() for s in shards]), g)
+            layer.qweight = Int4Weight(groups)
+        elif fmt == "int8":
+            layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])))
+        elif fmt == "dense":
+            weight = torch.cat([s.as_float() for s in shards]).to(layer.dtype)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            self.dense.process_weights_after_loading(layer)
+        else:
+            raise ValueError(f"unknown packed format {fmt!r}")
+        layer.qformat = f"int4-g{g}" if fmt == "int4" else fmt
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.qweight is None:
+            return self.dense.apply(layer, x)
+        y = layer.qweight(x)
+        return y if layer.bias is None else y + layer.bias
+
+    def weight_bytes(self, layer: Linear) -> int:
+        if layer.qweight is None:
+            return self.dense.weight_bytes(layer)
+        bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+        return layer.qweight.nbytes + bias
+
+
+class Int4LinearMethod(QuantizedLinearMethod):
+    """Every linear in int4 with groups of ``group_size`` (round-to-nearest where not exact)."""
+
+    def __init__(self, group_size: int = 32) -> None:
+        super().__init__()
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, "
+                             f"got {group_size}")
+        self.group_size = group_size
+
+    def int4_group_size(self) -> int:
+        return self.group_size
+
+    def choose_format(self, shards: list[Shard]) -> str:
+        return "int4"
+
+
+class Int8LinearMethod(QuantizedLinearMethod):
+    """Every linear in int8, one scale per output channel (round-to-nearest)."""
+
+    def choose_format(self, shards: list[Shard]) -> str:
+        return "int8"
+
+
+class GGUFLinearMethod(QuantizedLinearMethod):
+    """Keep what the GGUF file holds: 4-bit types as exact int4, other quants as int8."""
+
+    def choose_format(self, shards: list[Shard]) -> str:
+        origins = {s.origin for s in shards}
+        if origins == {EXACT_INT4}:
+            return "int4"
+        if FLOAT in origins:
+            return "dense"
+        return "int8"
