@@ -40,7 +40,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "fp32": Preset(dict(dtype="float32", quantization="none")),
     "bf16": Preset(dict(dtype="bfloat16", quantization="none"), Thresholds(0.01, 0.95, 0.01)),
-    "packed": Preset(dict(dtype="bfloat16", quantization="auto"), Thresholds(0.01, 0.95, 0.01)),
+    "packed": Preset(dict(dtype="bfloat16", quantization="auto"), Thresholds(0.01, 0.93, 0.01)),
     "int8": Preset(dict(dtype="bfloat16", quantization="int8"), Thresholds(0.01, 0.93, 0.02)),
     "int4": Preset(dict(dtype="bfloat16", quantization="int4", quantization_group_size=32),
                    Thresholds(0.05, 0.85, 0.10)),
