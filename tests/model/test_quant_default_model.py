@@ -63,7 +63,6 @@ def test_greedy_agreement_with_fp32_dequantized():
         picks = rows[len(p) - 1:len(p) - 1 + len(w)].argmax(-1).tolist()
         same += sum(a == b for a, b in zip(picks, w))
         total += len(w)
-    print("teacher-forced agreement", same / total)
     assert same / total >= 0.9, same / total
 
 
