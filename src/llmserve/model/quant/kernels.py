@@ -101,6 +101,36 @@ def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
+#: From this many rows on, int4 products dequantize bf16 tiles and use a dense GEMM: the int4
+#: kernel's cost grows linearly with the rows (it crosses oneDNN's bf16 GEMM near 12 rows).
+INT4_GEMM_MIN_ROWS = 16
+
+
+@torch.library.custom_op("llmserve::int4_tiled_mm", mutates_args=())
+def int4_tiled_mm(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor,
+                  zero: torch.Tensor) -> torch.Tensor:
+    """``x (M, K) bf16 @ W^T`` for int4 codes two per byte (N, K/2) with per-group scale and
+    zero (N, K/g): ``w = (q - 8) * scale + zero``, dequantized in bf16 tiles of ~4 MB."""
+    n, half = nibbles.shape
+    k = 2 * half
+    groups = scale.shape[1]
+    rows = max(16, (1 << 21) // k)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        nb = nibbles[start:start + rows]
+        q = torch.stack([nb & 15, nb >> 4], -1).view(nb.shape[0], groups, k // groups)
+        w = (q.to(torch.float32) - 8.0) * scale[start:start + rows].float().unsqueeze(-1) \
+            + zero[start:start + rows].float().unsqueeze(-1)
+        out[:, start:start + rows] = F.linear(x, w.view(nb.shape[0], k).to(x.dtype))
+    return out
+
+
+@int4_tiled_mm.register_fake
+def _int4_tiled_mm_fake(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor,
+                        zero: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], nibbles.shape[0])
+
+
 class Int4Weight(nn.Module):
     """A packed int4 weight (N, K) and its product ``x (..., K) -> (..., N)``."""
 
@@ -119,10 +149,22 @@ class Int4Weight(nn.Module):
             q.to(torch.int32).contiguous(), 1), persistent=False)
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(
             KERNEL_DTYPE).contiguous(), persistent=False)
+        # the same codes two per byte, for the dequantize-and-GEMM path of many-row products
+        q8 = groups.q.to(torch.uint8)
+        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous(),
+                             persistent=False)
+        self.register_buffer("group_scale", groups.scale.to(KERNEL_DTYPE).contiguous(),
+                             persistent=False)
+        self.register_buffer("group_zero", groups.zero.to(KERNEL_DTYPE).contiguous(),
+                             persistent=False)
         self.padded = bool(pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_as_kernel_input(x), self.qweight,
+        x2 = _as_kernel_input(x)
+        if x2.shape[0] >= INT4_GEMM_MIN_ROWS:
+            y = int4_tiled_mm(x2, self.nibbles, self.group_scale, self.group_zero)
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight,
                                                        self.group_size, self.scales_zeros)
         if self.padded:
             y = y[:, :self.out_features]
