@@ -134,11 +134,12 @@ def test_int8_rtn_error_within_half_a_step():
     assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.01
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 33])
-def test_int8_both_kernels_match_dense(rows):
-    """Up to 4 rows _weight_int8pack_mm, from 5 on bf16 tiles + GEMM: same product."""
-    w = torch.randn(5000, 96) * 0.1
-    layer = linear(Int8LinearMethod(), 5000, cols=96)
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 33])
+@pytest.mark.parametrize("outputs", [480, 17000])
+def test_int8_both_kernels_match_dense(rows, outputs):
+    """Few rows: _weight_int8pack_mm; more (sooner for wide weights): bf16 tiles + GEMM."""
+    w = torch.randn(outputs, 96) * 0.1
+    layer = linear(Int8LinearMethod(), outputs, cols=96)
     layer.load("weight", w)
     x = torch.randn(rows, 96)
     assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.015

@@ -9,7 +9,8 @@ converts ``x`` to bf16 around the op and the result back)::
         Product: ``aten._weight_int4pack_mm_for_cpu(x, packed, g, scales_zeros)``.
     int8, per output channel        w[n, k] = q[n, k] * scale[n]
         q in -127..127 (int8, row-major), scale (N,) bf16.
-        Product: ``aten._weight_int8pack_mm(x, q, scale)``.
+        Product: ``aten._weight_int8pack_mm(x, q, scale)`` for few rows of ``x``, bf16 tiles
+        of the weight and a dense GEMM for more (:class:`Int8Weight`).
 
 The int4 kernel works on 64-column tiles of at most 4 rows of ``x`` and dequantizes each
 weight tile once per 4 rows, so it is bandwidth-bound (fast) for small batches and
@@ -178,9 +179,13 @@ class Int4Weight(nn.Module):
         return f"int4 g{self.group_size}, {self.out_features}x{self.in_features}"
 
 
-#: Above this many rows, int8 products dequantize the weight tile by tile to bf16 and use a
-#: dense GEMM: ``_weight_int8pack_mm`` costs about one weight pass per row of ``x``.
-INT8_GEMM_MIN_ROWS = 5
+#: From this many rows of ``x`` on, int8 products dequantize the weight tile by tile to bf16
+#: and use a dense GEMM (``_weight_int8pack_mm`` costs about one weight pass per row); wide
+#: weights (an LM head) amortize the tiles sooner. Crossovers measured on AVX512-BF16, 2
+#: threads: ~16 rows for 576..3072 outputs, ~5 rows for 49152.
+INT8_GEMM_MIN_ROWS = 16
+INT8_GEMM_MIN_ROWS_WIDE = 5
+INT8_WIDE_OUTPUTS = 16384
 _TILE_ELEMENTS = 1 << 21      # ~4 MB of bf16 per dequantized tile: stays in the L3 cache
 
 
@@ -203,9 +208,10 @@ def _int8_tiled_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
 class Int8Weight(nn.Module):
     """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
-    Up to 4 rows the product is ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the
-    int8 bytes); from 5 rows on, bf16 tiles of the weight feed a dense GEMM
-    (:func:`int8_tiled_mm`), whose cost grows far slower with the row count.
+    Few rows use ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the int8 bytes);
+    from :data:`INT8_GEMM_MIN_ROWS` rows on (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights),
+    bf16 tiles of the weight feed a dense GEMM (:func:`int8_tiled_mm`), whose cost grows far
+    slower with the row count.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -219,7 +225,9 @@ class Int8Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if x2.shape[0] >= INT8_GEMM_MIN_ROWS:
+        min_rows = INT8_GEMM_MIN_ROWS_WIDE if self.out_features >= INT8_WIDE_OUTPUTS else \
+            INT8_GEMM_MIN_ROWS
+        if x2.shape[0] >= min_rows:
             y = int8_tiled_mm(x2, self.qweight, self.scale)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
