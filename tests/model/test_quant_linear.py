@@ -156,6 +156,22 @@ def test_int4_pads_output_rows_to_the_kernel_tile():
     assert rel_err(y, ref) <= 0.01
 
 
+@pytest.mark.parametrize("n", [24, 960, 4112])
+def test_int4_many_rows_dequantize_tiles_of_the_packed_weight(n):
+    """From 16 rows on, bf16 tiles read back from the kernel's own packed bytes feed a GEMM:
+    the same product, and no second copy of the weights."""
+    g = quantize_int4(torch.randn(n, 256), 32)
+    packed = Int4Weight(g)
+    assert packed.tiled
+    n_pad = -(-n // 16) * 16
+    assert packed.nbytes == n_pad * 256 // 2 + n_pad * (256 // 32) * 4
+    x = torch.randn(20, 256, dtype=torch.bfloat16)
+    ref = x.float() @ g.dequantize().T
+    assert packed(x).shape == (20, n)
+    assert rel_err(packed(x), ref) <= 0.005
+    assert rel_err(packed(x[:4]), ref[:4]) <= 0.005
+
+
 def test_describe_counts_formats():
     model = torch.nn.Sequential(linear(GGUFLinearMethod(), 96))
     model[0].load("weight", gguf_blocks(Q.Q4_1, 96, COLS))

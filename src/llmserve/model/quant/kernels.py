@@ -23,11 +23,14 @@ kernel reconstructs exactly the values the codes were chosen for.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 #: Activation and scale dtype of both kernels.
 KERNEL_DTYPE = torch.bfloat16
@@ -105,31 +108,58 @@ def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
 #: From this many rows on, int4 products dequantize bf16 tiles and use a dense GEMM: the int4
 #: kernel's cost grows linearly with the rows (it crosses oneDNN's bf16 GEMM near 12 rows).
 INT4_GEMM_MIN_ROWS = 16
+_PACK_BLOCK_N = 64
+
+
+def unpack_int4_columns(packed: torch.Tensor, start: int, cols: int) -> torch.Tensor:
+    """Codes ``(K, cols)`` of output rows ``[start, start + cols)`` read back from the CPU
+    kernel's packed weight (no second copy of the weights is kept for this).
+
+    ``_convert_weight_to_int4pack_for_cpu`` (AVX-512 build) stores each block of 64 output
+    rows as K runs of 32 bytes: byte ``d`` holds rows ``d`` (low nibble) and ``32 + d``
+    (high), byte ``16 + d`` rows ``16 + d`` and ``48 + d``; a last block of 16/32/48 rows holds
+    rows ``2i`` and ``2i + 1`` in byte ``i``. ``start`` is a multiple of 64. Callers check the
+    layout once (:meth:`Int4Weight._layout_ok`): another build packs differently.
+    """
+    n, half = packed.shape
+    k = 2 * half
+    flat = packed.view(-1)
+    full = min(cols, (n - start) // _PACK_BLOCK_N * _PACK_BLOCK_N)
+    parts = []
+    if full:
+        blocks = flat[start * half:(start + full) * half].view(full // _PACK_BLOCK_N, k, 2, 16)
+        codes = torch.cat([blocks & 15, blocks >> 4], 2)          # (B, K, 4, 16): rows 0..63
+        parts.append(codes.permute(1, 0, 2, 3).reshape(k, full))
+    if cols > full:
+        tail = flat[(start + full) * half:(start + cols) * half].view(k, (cols - full) // 2)
+        parts.append(torch.stack([tail & 15, tail >> 4], -1).view(k, cols - full))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 @torch.library.custom_op("llmserve::int4_tiled_mm", mutates_args=())
-def int4_tiled_mm(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor,
-                  zero: torch.Tensor) -> torch.Tensor:
-    """``x (M, K) bf16 @ W^T`` for int4 codes two per byte (N, K/2) with per-group scale and
-    zero (N, K/g): ``w = (q - 8) * scale + zero``, dequantized in bf16 tiles of ~4 MB."""
-    n, half = nibbles.shape
+def int4_tiled_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """``x (M, K) bf16 @ W^T`` for the kernel's packed int4 weight and its (K/g, N, 2)
+    scales and zeros: ``w = (q - 8) * scale + zero`` dequantized in bf16 tiles of ~4 MB,
+    each multiplied by a dense GEMM. Returns all (padded) N columns."""
+    n, half = packed.shape
     k = 2 * half
-    groups = scale.shape[1]
-    rows = max(16, (1 << 21) // k)
+    cols_per_tile = max(_PACK_BLOCK_N, (1 << 21) // k // _PACK_BLOCK_N * _PACK_BLOCK_N)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for start in range(0, n, rows):
-        nb = nibbles[start:start + rows]
-        q = torch.stack([nb & 15, nb >> 4], -1).view(nb.shape[0], groups, k // groups)
-        w = (q.to(torch.float32) - 8.0) * scale[start:start + rows].float().unsqueeze(-1) \
-            + zero[start:start + rows].float().unsqueeze(-1)
-        out[:, start:start + rows] = F.linear(x, w.view(nb.shape[0], k).to(x.dtype))
+    for start in range(0, n, cols_per_tile):
+        cols = min(cols_per_tile, n - start)
+        q = unpack_int4_columns(packed, start, cols).view(k // group_size, group_size, cols)
+        sz = scales_zeros[:, start:start + cols].unsqueeze(1)           # (K/g, 1, cols, 2)
+        # in bf16 throughout (q - 8 is exact; float32 broadcasts here run ~10x slower)
+        w = q.to(x.dtype).sub_(8).mul_(sz[..., 0]).add_(sz[..., 1])
+        out[:, start:start + cols] = torch.matmul(x, w.view(k, cols))
     return out
 
 
 @int4_tiled_mm.register_fake
-def _int4_tiled_mm_fake(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor,
-                        zero: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], nibbles.shape[0])
+def _int4_tiled_mm_fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 class Int4Weight(nn.Module):
@@ -150,23 +180,31 @@ class Int4Weight(nn.Module):
             q.to(torch.int32).contiguous(), 1), persistent=False)
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(
             KERNEL_DTYPE).contiguous(), persistent=False)
-        # the same codes two per byte, for the dequantize-and-GEMM path of many-row products
-        q8 = groups.q.to(torch.uint8)
-        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous(),
-                             persistent=False)
-        self.register_buffer("group_scale", groups.scale.to(KERNEL_DTYPE).contiguous(),
-                             persistent=False)
-        self.register_buffer("group_zero", groups.zero.to(KERNEL_DTYPE).contiguous(),
-                             persistent=False)
         self.padded = bool(pad)
+        # many-row products dequantize tiles read back from the packed weight itself
+        self.tiled = self._layout_ok(q)
+
+    def _layout_ok(self, q: torch.Tensor) -> bool:
+        """The packed layout is the one :func:`unpack_int4_columns` reads (first and last
+        blocks checked); otherwise every product uses the int4 kernel."""
+        n = q.shape[0]
+        last = (n - 1) // _PACK_BLOCK_N * _PACK_BLOCK_N
+        for start in sorted({0, last}):
+            cols = min(_PACK_BLOCK_N, n - start)
+            got = unpack_int4_columns(self.qweight, start, cols)
+            if not torch.equal(got, q[start:start + cols].t().to(got.dtype)):
+                logger.info("int4 packed layout not recognised on this build: many-row "
+                            "products stay on the int4 kernel")
+                return False
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if x2.shape[0] >= INT4_GEMM_MIN_ROWS:
-            y = int4_tiled_mm(x2, self.nibbles, self.group_scale, self.group_zero)
-            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight,
-                                                       self.group_size, self.scales_zeros)
+        if self.tiled and x2.shape[0] >= INT4_GEMM_MIN_ROWS:
+            y = int4_tiled_mm(x2, self.qweight, self.scales_zeros, self.group_size)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
+                                                           self.scales_zeros)
         if self.padded:
             y = y[:, :self.out_features]
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
