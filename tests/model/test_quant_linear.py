@@ -134,11 +134,12 @@ def test_int8_rtn_error_within_half_a_step():
     assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.01
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 33])
-def test_int8_both_kernels_match_dense(rows):
-    """Up to 4 rows _weight_int8pack_mm, from 5 on bf16 tiles + GEMM: same product."""
-    w = torch.randn(5000, 96) * 0.1
-    layer = linear(Int8LinearMethod(), 5000, cols=96)
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 33])
+@pytest.mark.parametrize("outputs", [480, 17000])
+def test_int8_both_kernels_match_dense(rows, outputs):
+    """Few rows: _weight_int8pack_mm; more (sooner for wide weights): bf16 tiles + GEMM."""
+    w = torch.randn(outputs, 96) * 0.1
+    layer = linear(Int8LinearMethod(), outputs, cols=96)
     layer.load("weight", w)
     x = torch.randn(rows, 96)
     assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.015
@@ -153,6 +154,24 @@ def test_int4_pads_output_rows_to_the_kernel_tile():
     assert y.shape == (3, 24)
     ref = x.float() @ g.dequantize().T
     assert rel_err(y, ref) <= 0.01
+
+
+@pytest.mark.parametrize("n", [24, 960, 4112])
+def test_int4_many_rows_dequantize_tiles_of_the_packed_weight(n):
+    """From INT4_GEMM_MIN_ROWS rows on, bf16 tiles read back from the kernel's own packed
+    bytes feed a GEMM: the same product, and no second copy of the weights."""
+    from llmserve.model.quant.kernels import INT4_GEMM_MIN_ROWS
+    g = quantize_int4(torch.randn(n, 256), 32)
+    packed = Int4Weight(g)
+    assert packed.tiled
+    n_pad = -(-n // 16) * 16
+    assert packed.nbytes == n_pad * 256 // 2 + n_pad * (256 // 32) * 4
+    rows = INT4_GEMM_MIN_ROWS + 4
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    ref = x.float() @ g.dequantize().T
+    assert packed(x).shape == (rows, n)
+    assert rel_err(packed(x), ref) <= 0.005
+    assert rel_err(packed(x[:4]), ref[:4]) <= 0.005
 
 
 def test_describe_counts_formats():

@@ -9,7 +9,8 @@ converts ``x`` to bf16 around the op and the result back)::
         Product: ``aten._weight_int4pack_mm_for_cpu(x, packed, g, scales_zeros)``.
     int8, per output channel        w[n, k] = q[n, k] * scale[n]
         q in -127..127 (int8, row-major), scale (N,) bf16.
-        Product: ``aten._weight_int8pack_mm(x, q, scale)``.
+        Product: ``aten._weight_int8pack_mm(x, q, scale)`` for few rows of ``x``, bf16 tiles
+        of the weight and a dense GEMM for more (:class:`Int8Weight`).
 
 The int4 kernel works on 64-column tiles of at most 4 rows of ``x`` and dequantizes each
 weight tile once per 4 rows, so it is bandwidth-bound (fast) for small batches and
@@ -22,11 +23,14 @@ kernel reconstructs exactly the values the codes were chosen for.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 #: Activation and scale dtype of both kernels.
 KERNEL_DTYPE = torch.bfloat16
@@ -103,34 +107,61 @@ def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
 
 #: From this many rows on (prefill chunks), int4 products dequantize bf16 tiles and use a dense
 #: GEMM: the int4 kernel's cost grows linearly with the rows, while dequantizing costs a fixed
-#: pass over the weights (measured in one serving run: at 16 rows the dequantization made
+#: pass over the weights (measured in one serving run: from 16 rows the dequantization made
 #: 24-sequence decode steps ~4x slower, so decode batches stay on the int4 kernel).
 INT4_GEMM_MIN_ROWS = 96
+_PACK_BLOCK_N = 64
+
+
+def unpack_int4_columns(packed: torch.Tensor, start: int, cols: int) -> torch.Tensor:
+    """Codes ``(K, cols)`` of output rows ``[start, start + cols)`` read back from the CPU
+    kernel's packed weight (no second copy of the weights is kept for this).
+
+    ``_convert_weight_to_int4pack_for_cpu`` (AVX-512 build) stores each block of 64 output
+    rows as K runs of 32 bytes: byte ``d`` holds rows ``d`` (low nibble) and ``32 + d``
+    (high), byte ``16 + d`` rows ``16 + d`` and ``48 + d``; a last block of 16/32/48 rows holds
+    rows ``2i`` and ``2i + 1`` in byte ``i``. ``start`` is a multiple of 64. Callers check the
+    layout once (:meth:`Int4Weight._layout_ok`): another build packs differently.
+    """
+    n, half = packed.shape
+    k = 2 * half
+    flat = packed.view(-1)
+    full = min(cols, (n - start) // _PACK_BLOCK_N * _PACK_BLOCK_N)
+    parts = []
+    if full:
+        blocks = flat[start * half:(start + full) * half].view(full // _PACK_BLOCK_N, k, 2, 16)
+        codes = torch.cat([blocks & 15, blocks >> 4], 2)          # (B, K, 4, 16): rows 0..63
+        parts.append(codes.permute(1, 0, 2, 3).reshape(k, full))
+    if cols > full:
+        tail = flat[(start + full) * half:(start + cols) * half].view(k, (cols - full) // 2)
+        parts.append(torch.stack([tail & 15, tail >> 4], -1).view(k, cols - full))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 @torch.library.custom_op("llmserve::int4_tiled_mm", mutates_args=())
-def int4_tiled_mm(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor,
-                  zero: torch.Tensor) -> torch.Tensor:
-    """``x (M, K) bf16 @ W^T`` for int4 codes two per byte (N, K/2) with per-group scale and
-    zero (N, K/g): ``w = (q - 8) * scale + zero``, dequantized in bf16 tiles of ~4 MB."""
-    n, half = nibbles.shape
+def int4_tiled_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """``x (M, K) bf16 @ W^T`` for the kernel's packed int4 weight and its (K/g, N, 2)
+    scales and zeros: ``w = (q - 8) * scale + zero`` dequantized in bf16 tiles of ~4 MB,
+    each multiplied by a dense GEMM. Returns all (padded) N columns."""
+    n, half = packed.shape
     k = 2 * half
-    groups = scale.shape[1]
-    rows = max(16, (1 << 21) // k)
+    cols_per_tile = max(_PACK_BLOCK_N, (1 << 21) // k // _PACK_BLOCK_N * _PACK_BLOCK_N)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for start in range(0, n, rows):
-        nb = nibbles[start:start + rows]
-        q = torch.stack([nb & 15, nb >> 4], -1).view(nb.shape[0], groups, k // groups)
-        w = (q.to(torch.float32) - 8.0) * scale[start:start + rows].float().unsqueeze(-1) \
-            + zero[start:start + rows].float().unsqueeze(-1)
-        out[:, start:start + rows] = F.linear(x, w.view(nb.shape[0], k).to(x.dtype))
+    for start in range(0, n, cols_per_tile):
+        cols = min(cols_per_tile, n - start)
+        q = unpack_int4_columns(packed, start, cols).view(k // group_size, group_size, cols)
+        sz = scales_zeros[:, start:start + cols].unsqueeze(1)           # (K/g, 1, cols, 2)
+        # in bf16 throughout (q - 8 is exact; float32 broadcasts here run ~10x slower)
+        w = q.to(x.dtype).sub_(8).mul_(sz[..., 0]).add_(sz[..., 1])
+        out[:, start:start + cols] = torch.matmul(x, w.view(k, cols))
     return out
 
 
 @int4_tiled_mm.register_fake
-def _int4_tiled_mm_fake(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor,
-                        zero: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], nibbles.shape[0])
+def _int4_tiled_mm_fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 class Int4Weight(nn.Module):
@@ -151,23 +182,31 @@ class Int4Weight(nn.Module):
             q.to(torch.int32).contiguous(), 1), persistent=False)
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(
             KERNEL_DTYPE).contiguous(), persistent=False)
-        # the same codes two per byte, for the dequantize-and-GEMM path of many-row products
-        q8 = groups.q.to(torch.uint8)
-        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous(),
-                             persistent=False)
-        self.register_buffer("group_scale", groups.scale.to(KERNEL_DTYPE).contiguous(),
-                             persistent=False)
-        self.register_buffer("group_zero", groups.zero.to(KERNEL_DTYPE).contiguous(),
-                             persistent=False)
         self.padded = bool(pad)
+        # many-row products dequantize tiles read back from the packed weight itself
+        self.tiled = self._layout_ok(q)
+
+    def _layout_ok(self, q: torch.Tensor) -> bool:
+        """The packed layout is the one :func:`unpack_int4_columns` reads (first and last
+        blocks checked); otherwise every product uses the int4 kernel."""
+        n = q.shape[0]
+        last = (n - 1) // _PACK_BLOCK_N * _PACK_BLOCK_N
+        for start in sorted({0, last}):
+            cols = min(_PACK_BLOCK_N, n - start)
+            got = unpack_int4_columns(self.qweight, start, cols)
+            if not torch.equal(got, q[start:start + cols].t().to(got.dtype)):
+                logger.info("int4 packed layout not recognised on this build: many-row "
+                            "products stay on the int4 kernel")
+                return False
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if x2.shape[0] >= INT4_GEMM_MIN_ROWS:
-            y = int4_tiled_mm(x2, self.nibbles, self.group_scale, self.group_zero)
-            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight,
-                                                       self.group_size, self.scales_zeros)
+        if self.tiled and x2.shape[0] >= INT4_GEMM_MIN_ROWS:
+            y = int4_tiled_mm(x2, self.qweight, self.scales_zeros, self.group_size)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
+                                                           self.scales_zeros)
         if self.padded:
             y = y[:, :self.out_features]
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -180,9 +219,13 @@ class Int4Weight(nn.Module):
         return f"int4 g{self.group_size}, {self.out_features}x{self.in_features}"
 
 
-#: Above this many rows, int8 products dequantize the weight tile by tile to bf16 and use a
-#: dense GEMM: ``_weight_int8pack_mm`` costs about one weight pass per row of ``x``.
-INT8_GEMM_MIN_ROWS = 5
+#: From this many rows of ``x`` on, int8 products dequantize the weight tile by tile to bf16
+#: and use a dense GEMM (``_weight_int8pack_mm`` costs about one weight pass per row); wide
+#: weights (an LM head) amortize the tiles sooner. Crossovers measured on AVX512-BF16, 2
+#: threads: ~16 rows for 576..3072 outputs, ~5 rows for 49152.
+INT8_GEMM_MIN_ROWS = 16
+INT8_GEMM_MIN_ROWS_WIDE = 5
+INT8_WIDE_OUTPUTS = 16384
 _TILE_ELEMENTS = 1 << 21      # ~4 MB of bf16 per dequantized tile: stays in the L3 cache
 
 
@@ -205,9 +248,10 @@ def _int8_tiled_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
 class Int8Weight(nn.Module):
     """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
-    Up to 4 rows the product is ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the
-    int8 bytes); from 5 rows on, bf16 tiles of the weight feed a dense GEMM
-    (:func:`int8_tiled_mm`), whose cost grows far slower with the row count.
+    Few rows use ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the int8 bytes);
+    from :data:`INT8_GEMM_MIN_ROWS` rows on (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights),
+    bf16 tiles of the weight feed a dense GEMM (:func:`int8_tiled_mm`), whose cost grows far
+    slower with the row count.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -221,7 +265,9 @@ class Int8Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if x2.shape[0] >= INT8_GEMM_MIN_ROWS:
+        min_rows = INT8_GEMM_MIN_ROWS_WIDE if self.out_features >= INT8_WIDE_OUTPUTS else \
+            INT8_GEMM_MIN_ROWS
+        if x2.shape[0] >= min_rows:
             y = int8_tiled_mm(x2, self.qweight, self.scale)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
