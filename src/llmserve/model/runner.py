@@ -159,10 +159,11 @@ class ModelRunner:
                     logits_all[r0:r0 + step.num_new_tokens[i]].float().cpu()
         if not sampled:
             return out
-        for i in sampled:
-            if step.num_samples[i] != 1:
-                raise NotImplementedError("sampling several positions of one sequence needs a "
-                                          "speculative-decoding verifier")
+        if any(step.num_samples[i] != 1 for i in sampled):
+            # StepInput allows k+1 sample positions for speculative decoding (issue 12); this
+            # runner has no verifier yet, so such a step is refused as invalid input
+            raise ValueError("this runner samples one position per sequence; several need a "
+                             "speculative-decoding verifier (not built)")
         if logits is None:
             rows = torch.tensor(last_rows, device=dev)
             logits = (logits_all[rows] if logits_all is not None

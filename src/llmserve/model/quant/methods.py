@@ -23,6 +23,8 @@ dense layers fall back to :class:`DenseLinearMethod`. The layer's bias stays den
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import logging
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -74,9 +76,9 @@ class QuantizedLinearMethod(LinearMethod):
         self.dense = DenseLinearMethod()
 
     # ---- the format decision ----------------------------------------------------------------
+    @abstractmethod
     def choose_format(self, shards: list[Shard]) -> str:
         """``"int4"``, ``"int8"`` or ``"dense"`` for a layer made of ``shards``."""
-        raise NotImplementedError
 
     def int4_group_size(self) -> int:
         return 32
