@@ -17,6 +17,8 @@ NO_TORCH_MODULES = [
     "llmserve.engine.stop_checker",
     "llmserve.engine.isolation",
     "llmserve.engine.step_isolation",
+    "llmserve.engine.spec_proposer",
+    "llmserve.engine.spec_decode",
     "llmserve.protocol",
     "llmserve.sampling_params",
     "llmserve.config",

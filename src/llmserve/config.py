@@ -34,6 +34,15 @@ class EngineConfig:
     num_threads: Optional[int] = None      # torch CPU threads; None: torch's default
     enforce_eager: Optional[bool] = None   # True: never compile; None: env LLMSERVE_ENFORCE_EAGER, else compile
     attention_backend: str = "auto"        # auto (paged) | paged | reference
+    # speculative decoding (docs/SPECULATIVE.md)
+    speculative_method: Optional[str] = None  # None | ngram | draft
+    num_speculative_tokens: int = 4        # most draft tokens per sequence and step (k)
+    ngram_min: int = 1                     # n-gram proposer: shortest suffix matched
+    ngram_max: int = 4                     # n-gram proposer: longest suffix matched
+    draft_model: Optional[str] = None      # draft: HF folder or .gguf (same tokenizer)
+    draft_quantization: str = "auto"       # draft weights: auto | none | int8 | int4
+    speculative_max_batch: int = 16        # no speculation while more sequences run
+    speculative_adaptive: bool = True      # per-request k from its acceptance rate
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -67,8 +76,27 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise ValueError(f"attention_backend must be one of auto, paged, reference; "
                              f"got {self.attention_backend!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be ngram or draft (or None); "
+                             f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is required by speculative_method 'draft' and used "
+                             "by nothing else")
+        if self.draft_quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"draft_quantization must be one of auto, none, int8, int4; "
+                             f"got {self.draft_quantization!r}")
+        self.spec_decode_config()  # validates k, the n-gram range and max_batch
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
+
+    def spec_decode_config(self):
+        """The speculative-decoding settings as the engine's SpecDecodeConfig."""
+        from llmserve.engine.spec_decode import SpecDecodeConfig
+
+        return SpecDecodeConfig(num_speculative_tokens=self.num_speculative_tokens,
+                                ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+                                max_batch=self.speculative_max_batch,
+                                adaptive=self.speculative_adaptive)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

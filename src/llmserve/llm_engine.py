@@ -24,6 +24,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.protocol import CompletionOutput, EngineStats, RequestOutput, priority_value
 from llmserve.sampling_params import SamplingParams
+from llmserve.speculation import build_speculation
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,9 @@ class LLMEngine:
             admission_watermark_blocks=max(1, self.runner.num_blocks // 100),
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.spec = build_speculation(config, self)
         self.core = EngineCore(self.scheduler, self.runner, OutputProcessor(self.tokenizer),
-                               check_invariants=check_invariants)
+                               check_invariants=check_invariants, spec=self.spec)
         self.model_name = _model_name(self.model_path)
         self.runner.warmup()
         self._requests: dict[str, _UserRequest] = {}

@@ -37,8 +37,23 @@ class FakeRunner:
                 samp = step.sampling[i]
                 total = sum(samp.prompt_token_ids) + sum(samp.output_token_ids)
                 out.request_ids.append(rid)
-                out.token_ids.append([10 + total % (self.vocab - 10)])
+                # speculative drafts (the last num_samples - 1 new tokens): greedy
+                # verification, accepted while they equal what would be emitted
+                end = sum(step.num_new_tokens[:i + 1])
+                drafts = step.token_ids[end - step.num_samples[i] + 1:end]
+                tokens = []
+                for d in drafts:
+                    t = self.next_token(total)
+                    if t != d:
+                        break
+                    tokens.append(d)
+                    total += d
+                tokens.append(self.next_token(total))
+                out.token_ids.append(tokens)
         return out
+
+    def next_token(self, total: int) -> int:
+        return 10 + total % (self.vocab - 10)
 
     def release(self, request_id: str) -> None:
         self.released.append(request_id)

@@ -20,6 +20,7 @@ from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.spec_decode import SpeculativeDecoder
 from llmserve.engine.step_isolation import StepFailures, execute_isolated
 from llmserve.engine.step_types import SequenceSampling, StepInput, StepOutput
 from llmserve.protocol import CompletionOutput, EngineStats, FinishReason, RequestFailedError
@@ -37,13 +38,19 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
     step = StepInput()
     for s in sched.scheduled:
         req = s.request
-        end = s.start + s.num_new_tokens
+        nd = s.num_draft_tokens
+        end = s.start + s.num_new_tokens - nd
+        tokens = req.all_token_ids[s.start:end]
         sampling = None
         if s.samples:
             sampling = SequenceSampling(req.sampling_params, req.prompt_token_ids,
                                         req.output_token_ids)
-        step.add(req.request_id, req.all_token_ids[s.start:end], s.start,
-                 kv.blocks_of(req.request_id), 1 if s.samples else 0, sampling)
+        if nd:  # speculative drafts: verified at their positions, k + 1 samples
+            tokens = tokens + req.spec_token_ids[:nd]
+            probs = getattr(req.spec_state, "draft_probs", None)
+            sampling.draft_probs = None if probs is None else probs[:nd]
+        step.add(req.request_id, tokens, s.start, kv.blocks_of(req.request_id),
+                 1 + nd if s.samples else 0, sampling)
     return step
 
 
@@ -63,8 +70,10 @@ class EngineCore:
     """Owns the scheduler, the KV manager and the runner; `step()` advances every sequence."""
 
     def __init__(self, scheduler: Scheduler, runner: Runner, outputs: OutputProcessor,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False,
+                 spec: Optional[SpeculativeDecoder] = None) -> None:
         self.scheduler = scheduler
+        self.spec = spec   # speculative decoding (engine/spec_decode.py), or None
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
         self.outputs = outputs
@@ -117,12 +126,16 @@ class EngineCore:
         return out
 
     def step(self) -> list[SequenceUpdate]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.scheduler.step_index + 1)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         result, failures = self._execute_isolated(sched)
         updates = self._settle_failures(failures) if failures else []
         self.scheduler.on_step_done(sched)
+        if self.spec is not None:
+            self.spec.on_step_done(sched, result, self.kv, sched.step)
         requests = self.scheduler.requests
         lps = result.logprobs
         tops = result.top_logprobs

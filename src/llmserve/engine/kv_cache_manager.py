@@ -106,25 +106,32 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     cached: Iterable[KVBlock] = (), reserve: int = 0) -> bool:
+                     cached: Iterable[KVBlock] = (), reserve: int = 0,
+                     num_lookahead_tokens: int = 0) -> bool:
         cached = list(cached)
         have = len(self._req_blocks.get(request.request_id, ())) + len(cached)
-        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        total = (request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+                 + num_lookahead_tokens)
         need = self.blocks_needed(total) - have
         # free cached hits sit in the free queue: touching them uses up free blocks too
         evictable = sum(1 for b in cached if b.ref_cnt == 0)
         return need + evictable + reserve <= self.pool.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached: Iterable[KVBlock] = (), reserve: int = 0) -> bool:
+                       cached: Iterable[KVBlock] = (), reserve: int = 0,
+                       num_lookahead_tokens: int = 0) -> bool:
         """Grow the request's block table to hold ``num_new_tokens`` more tokens.
 
         ``cached`` are prefix-hit blocks (from `find_cached_prefix`) to take first; the
-        caller then advances ``num_computed_tokens`` past them. Returns False, changing
-        nothing, when the pool cannot supply the blocks while keeping ``reserve`` free.
+        caller then advances ``num_computed_tokens`` past them. ``num_lookahead_tokens``
+        more slots are reserved for speculative draft tokens: their KV is written
+        tentatively, so blocks holding them are never registered in the prefix cache
+        here (they are once the tokens are committed; see `trim`). Returns False,
+        changing nothing, when the pool cannot supply the blocks while keeping
+        ``reserve`` free.
         """
         cached = list(cached)
-        if not self.can_allocate(request, num_new_tokens, cached, reserve):
+        if not self.can_allocate(request, num_new_tokens, cached, reserve, num_lookahead_tokens):
             return False
         rid = request.request_id
         blocks = self._req_blocks.setdefault(rid, [])
@@ -134,7 +141,7 @@ class KVCacheManager:
             blocks.extend(cached)
             ids.extend(b.block_id for b in cached)
         total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks)
+        need = self.blocks_needed(total + num_lookahead_tokens) - len(blocks)
         if need > 0:
             new = self.pool.allocate(need)
             blocks.extend(new)
@@ -151,6 +158,22 @@ class KVCacheManager:
         if used > self.high_water:
             self.high_water = used
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Roll back speculative slots: free the request's blocks past the first
+        ``blocks_needed(num_tokens)`` (tail first). Such blocks held only rejected draft
+        positions, so none is registered in the prefix cache. Returns how many."""
+        blocks = self._req_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        extra = blocks[keep:]
+        if self._req_num_registered.get(request.request_id, 0) > keep:
+            raise KVLedgerError(f"request {request.request_id}: cannot trim registered blocks")
+        del blocks[keep:]
+        del self._req_block_ids[request.request_id][keep:]
+        self.pool.free(reversed(extra))
+        return len(extra)
 
     def free(self, request: Request) -> int:
         """Release every block of a request (tail first). Returns how many it held."""

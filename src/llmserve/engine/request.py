@@ -39,7 +39,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
         "stop_reason", "block_hashes", "num_preemptions", "last_preempted_step",
         "metrics", "eos_token_ids", "max_total_tokens", "deadline", "queue_deadline",
-        "parent_id", "index",
+        "parent_id", "index", "spec_token_ids", "spec_state",
     )
 
     def __init__(
@@ -87,6 +87,11 @@ class Request:
         self.queue_deadline = queue_deadline  # time.time(): drop it if still unscheduled then
         self.parent_id = parent_id
         self.index = index
+        # speculative decoding: draft tokens proposed for the next step (never part of
+        # all_token_ids until the target model accepts them) and the per-request state of
+        # engine/spec_decode.py (None until the request speculates or brings a prediction)
+        self.spec_token_ids: list[int] = []
+        self.spec_state: object = None
 
     @property
     def num_tokens(self) -> int:

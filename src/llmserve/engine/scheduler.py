@@ -42,12 +42,13 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     start: int            # num_computed_tokens before this step
-    num_new_tokens: int
+    num_new_tokens: int   # committed tokens plus draft tokens
+    num_draft_tokens: int = 0  # speculative drafts at the end of the new tokens (verified)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's tokens (a token is sampled)."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - self.num_draft_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -170,17 +171,23 @@ class Scheduler:
             num_new = min(remaining, budget, prefill_cap if is_prefill else remaining)
             if num_new <= 0:
                 continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim(scheduled_ids | {request.request_id})
-                if victim is None or victim.priority < request.priority:
-                    victim = request  # never evict someone more important than the requester
-                self._preempt(victim, out)
-                if victim is request:
-                    break
+            # a decode verifies its speculative drafts too (k + 1 tokens of the budget);
+            # drafts never preempt anyone: without room they are dropped
+            drafts = 0 if is_prefill else min(len(request.spec_token_ids), budget - num_new)
+            if not (drafts and self.kv.allocate_slots(request, num_new,
+                                                      num_lookahead_tokens=drafts)):
+                drafts = 0
+                while not self.kv.allocate_slots(request, num_new):
+                    victim = self._pick_victim(scheduled_ids | {request.request_id})
+                    if victim is None or victim.priority < request.priority:
+                        victim = request  # never evict someone more important
+                    self._preempt(victim, out)
+                    if victim is request:
+                        break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            self._add(out, request, num_new, is_prefill, scheduled_ids)
-            budget -= num_new
+            self._add(out, request, num_new, is_prefill, scheduled_ids, drafts)
+            budget -= num_new + drafts
             if is_prefill:
                 prefill_cap -= num_new
 
@@ -219,9 +226,10 @@ class Scheduler:
         return out
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int, is_prefill: bool,
-             scheduled_ids: set[str]) -> None:
-        out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
-        out.num_batched_tokens += num_new
+             scheduled_ids: set[str], num_drafts: int = 0) -> None:
+        out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
+                                              num_new + num_drafts, num_drafts))
+        out.num_batched_tokens += num_new + num_drafts
         if is_prefill:
             out.num_prefill_tokens += num_new
         scheduled_ids.add(request.request_id)
@@ -250,7 +258,8 @@ class Scheduler:
         logger.debug("preempted %s", request.request_id)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance progress of every request that ran in this step."""
+        """Advance progress of every request that ran in this step (draft positions count
+        only once accepted: the engine core adds them after verification)."""
         for s in out.scheduled:
             if s.request.status is RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.start + s.num_new_tokens
+                s.request.num_computed_tokens = s.start + s.num_new_tokens - s.num_draft_tokens

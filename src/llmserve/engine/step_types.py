@@ -32,6 +32,9 @@ class SequenceSampling:
     params: SamplingParams
     prompt_token_ids: Sequence[int]      # shared with the engine, never copied per step
     output_token_ids: Sequence[int]
+    # speculative drafts (the sequence's last num_samples - 1 tokens) from a draft model:
+    # its [k, vocab] distributions (runner-side object); None: a deterministic draft
+    draft_probs: object = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from llmserve.model.models.llama import LlamaForCausalLM
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
 from llmserve.model.quant import describe_quantization, select_linear_method
 from llmserve.model.sampler import Sampler, SamplingBatch
+from llmserve.model.spec_verifier import verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,8 @@ class ModelRunner:
                     logits_all[r0:r0 + step.num_new_tokens[i]].float().cpu()
         if not sampled:
             return out
-        if any(step.num_samples[i] != 1 for i in sampled):
-            # StepInput allows k+1 sample positions for speculative decoding (issue 12); this
-            # runner has no verifier yet, so such a step is refused as invalid input
-            raise ValueError("this runner samples one position per sequence; several need a "
-                             "speculative-decoding verifier (not built)")
+        if any(step.num_samples[i] != 1 for i in sampled):  # speculative drafts to verify
+            return self._verify(step, order, staged, hidden, logits_all, sampled, out)
         if logits is None:
             rows = torch.tensor(last_rows, device=dev)
             logits = (logits_all[rows] if logits_all is not None
@@ -189,6 +187,27 @@ class ModelRunner:
             out.logprobs = [[lp] for lp in result.logprobs]
         if result.top_logprobs is not None:
             out.top_logprobs = [[t] for t in result.top_logprobs]
+        return out
+
+    def _verify(self, step: StepInput, order: list[int], staged, hidden, logits_all,
+                sampled: list[int], out: StepOutput) -> StepOutput:
+        """Score every draft position of the sampled sequences (model/spec_verifier.py)."""
+        row_start = {i: staged.row_starts[pos] for pos, i in enumerate(order)}
+        rows = []
+        for i in sampled:
+            end = row_start[i] + step.num_new_tokens[i]
+            rows.extend(range(end - step.num_samples[i], end))
+        index = torch.tensor(rows, device=self.device)
+        logits = (logits_all[index] if logits_all is not None
+                  else self.model.compute_logits(hidden.index_select(0, index)))
+        if self.sample_vocab_size < logits.shape[-1]:
+            logits = logits[:, :self.sample_vocab_size]
+        if self.capture_logits:
+            out.logits = logits.cpu()
+        out.request_ids = [step.request_ids[i] for i in sampled]
+        gens = [self._generator(step.request_ids[i], step.sampling[i].params) for i in sampled]
+        verified = verify_drafts(logits, step, sampled, gens, self.sampler, self.eos_token_ids)
+        out.token_ids, out.logprobs, out.top_logprobs = verified
         return out
 
     def _generator(self, request_id: str, params) -> Optional[torch.Generator]:
