@@ -48,3 +48,18 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
     r = run("generate", "--model", str(d), "hi")
     assert r.returncode == 2
     assert "FancyForCausalLM" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_speculative_flags_generate_and_clear_errors(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_heads=4, num_kv_heads=2)
+    r = run("generate", "--model", path, "--max-tokens", "8", "--num-kv-blocks", "32",
+            "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+            "--ngram-min", "2", "--ngram-max", "3", "Hello Hello Hello")
+    assert r.returncode == 0, r.stderr
+    r = run("generate", "--model", path, "--speculative-method", "draft", "hi")
+    assert r.returncode == 2
+    assert "draft_model" in r.stderr and "Traceback" not in r.stderr
+    r = run("generate", "--model", path, "--speculative-method", "ngram", "--ngram-min", "5",
+            "--ngram-max", "2", "hi")
+    assert r.returncode == 2
+    assert "ngram_min" in r.stderr and "Traceback" not in r.stderr

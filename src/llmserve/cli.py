@@ -50,6 +50,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never compile the decode step (default: compile at start-up)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"])
+    s = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
+    s.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="ngram: prompt lookup (no extra model); draft: a smaller model with "
+                        "the same tokenizer (--draft-model)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most draft tokens per sequence and step (k)")
+    s.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram "
+                   "proposer matches")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest suffix it matches")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model (HF folder or .gguf); the target's own GGUF with "
+                        "--draft-quantization int4 drafts with its packed 4-bit weights")
+    s.add_argument("--draft-quantization", default="auto",
+                   choices=["auto", "none", "int8", "int4"], help="draft model weights")
+    s.add_argument("--speculative-max-batch", type=int, default=16,
+                   help="no speculation while more sequences run (see docs/SPECULATIVE.md)")
+    s.add_argument("--no-speculative-adaptive", dest="speculative_adaptive",
+                   action="store_false", help="always draft k tokens (no per-request "
+                   "back-off on low acceptance)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -63,6 +82,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_fraction=args.kv_cache_fraction,
         quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max, draft_model=args.draft_model,
+        draft_quantization=args.draft_quantization,
+        speculative_max_batch=args.speculative_max_batch,
+        speculative_adaptive=args.speculative_adaptive,
     )
 
 

@@ -156,3 +156,6 @@ class EngineStats:
     num_step_errors: int = 0       # steps whose model execution raised (culprits isolated)
     weight_bytes: int = 0          # model weights resident (packed formats at their size)
     kv_bytes_per_token: int = 0    # KV pool bytes per token slot (all layers, K and V, scales)
+    spec_proposed_tokens_total: int = 0   # speculative draft tokens verified
+    spec_accepted_tokens_total: int = 0   # ...and accepted
+    spec_acceptance_lengths: list[int] = field(default_factory=list)  # [a]: steps accepting a

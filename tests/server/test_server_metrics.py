@@ -119,3 +119,23 @@ def test_registries_are_private_per_app() -> None:
     a.count_success("stop")
     assert metric_value(b.render().decode(), "llmserve_request_success_total") == 0
     assert metric_value(a.render().decode(), "llmserve_request_success_total") == 1
+
+
+def test_speculative_decoding_metrics_render_from_engine_stats() -> None:
+    from llmserve.protocol import EngineStats
+
+    engine = FakeEngine()
+    engine.get_stats = lambda: EngineStats(  # type: ignore[method-assign]
+        spec_proposed_tokens_total=40, spec_accepted_tokens_total=23,
+        spec_acceptance_lengths=[3, 2, 0, 1, 4])
+    text = ServerMetrics(engine, "m", "fp").render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["llmserve_spec_proposed_tokens"].type == "counter"
+    assert metric_value(text, "llmserve_spec_proposed_tokens_total") == 40
+    assert metric_value(text, "llmserve_spec_accepted_tokens_total") == 23
+    hist = families["llmserve_spec_acceptance_length"]
+    assert hist.type == "histogram"
+    assert metric_value(text, "llmserve_spec_acceptance_length_count") == 10
+    assert metric_value(text, "llmserve_spec_acceptance_length_sum") == 2 + 3 + 16
+    assert metric_value(text, "llmserve_spec_acceptance_length_bucket", le="1.0") == 5
+    assert metric_value(text, "llmserve_spec_acceptance_length_bucket", le="+Inf") == 10

@@ -225,4 +225,5 @@ class EngineCore:
             num_step_errors=self.num_step_errors,
             weight_bytes=getattr(self.runner, "weight_bytes", 0),
             kv_bytes_per_token=getattr(self.runner, "kv_bytes_per_token", 0),
+            **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )

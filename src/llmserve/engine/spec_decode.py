@@ -90,6 +90,12 @@ class SpecDecodeStats:
     num_verifications: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
 
+    def as_engine_stats(self) -> dict:
+        """The EngineStats fields of these counters."""
+        return {"spec_proposed_tokens_total": self.proposed_tokens,
+                "spec_accepted_tokens_total": self.accepted_tokens,
+                "spec_acceptance_lengths": list(self.acceptance_lengths)}
+
     def record(self, drafted: int, accepted: int) -> None:
         self.proposed_tokens += drafted
         self.accepted_tokens += accepted

@@ -14,7 +14,7 @@ import time
 from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from llmserve.protocol import RequestMetrics
@@ -57,6 +57,21 @@ def short_version(fingerprint: str) -> str:
     return (fingerprint or "unknown")[:12]
 
 
+_SPEC_HIST = "llmserve_spec_acceptance_length"
+_SPEC_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+
+
+def acceptance_buckets(lengths: list[int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets and the sum from ``lengths[a]`` = verifications that
+    accepted ``a`` drafts."""
+    out, sum_value = [], 0.0
+    for bound in _SPEC_BUCKETS:
+        out.append((str(float(bound)), float(sum(lengths[:bound + 1]))))
+    out.append(("+Inf", float(sum(lengths))))
+    sum_value = float(sum(a * c for a, c in enumerate(lengths)))
+    return out, sum_value
+
+
 class EngineStatsCollector(Collector):
     """Reads ``engine.get_stats()`` on every scrape and exposes gauges and counters;
     one series per engine (see :meth:`add`), told apart by the ``model`` label."""
@@ -82,6 +97,15 @@ class EngineStatsCollector(Collector):
                     cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                     family = families[name] = cls(name, doc, labels=LABELS)
                 family.add_metric(lv, value)
+            lengths = getattr(stats, "spec_acceptance_lengths", None)
+            if lengths is not None:
+                family = families.get(_SPEC_HIST)
+                if family is None:
+                    family = families[_SPEC_HIST] = HistogramMetricFamily(
+                        _SPEC_HIST, "Draft tokens accepted per speculative verification "
+                        "(one observation per sequence and step that drafted)", labels=LABELS)
+                buckets, total = acceptance_buckets(lengths)
+                family.add_metric(lv, buckets, total)
         yield from families.values()
 
     @staticmethod
@@ -119,6 +143,12 @@ class EngineStatsCollector(Collector):
         yield ("gauge", "llmserve_model_weight_bytes",
                "Bytes of model weights resident (quantized formats at their packed size)",
                getattr(s, "weight_bytes", 0))
+        yield ("counter", "llmserve_spec_proposed_tokens",
+               "Speculative draft tokens the target model verified",
+               getattr(s, "spec_proposed_tokens_total", 0))
+        yield ("counter", "llmserve_spec_accepted_tokens",
+               "Speculative draft tokens the target model accepted",
+               getattr(s, "spec_accepted_tokens_total", 0))
         yield ("gauge", "llmserve_kv_cache_bytes_per_token",
                "KV-pool bytes per token slot: all layers, K and V, quantization scales included",
                getattr(s, "kv_bytes_per_token", 0))
