@@ -100,6 +100,8 @@ class EngineCore:
         else:
             self.scheduler.finish_request(request, reason)
         self.runner.release(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
         delta = self.outputs.finish_early(request, reason)
         self.outputs.release(request_id)
         return SequenceUpdate(request, delta)
@@ -171,6 +173,8 @@ class EngineCore:
             if finish is not None:
                 self.scheduler.finish_request(req, finish, stop_reason)
                 self.runner.release(req.request_id)
+                if self.spec is not None:
+                    self.spec.release(req.request_id)
                 self.outputs.release(req.request_id)
                 break
         return None if delta is None else SequenceUpdate(req, delta)

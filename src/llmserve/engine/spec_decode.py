@@ -123,6 +123,12 @@ class SpeculativeDecoder:
         cfg = self.config
         return SpecState(PredictionState(token_ids, cfg.ngram_min, cfg.ngram_max))
 
+    def release(self, request_id: str) -> None:
+        """A request ended: the proposer drops what it keeps for it (a draft's KV)."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(request_id)
+
     # ---- before scheduling -----------------------------------------------------------
     def propose(self, running: Sequence[Request], step: int) -> None:
         """Set ``spec_token_ids`` of every running request (empty unless it decodes next

@@ -49,6 +49,8 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]
                 ) -> list[Proposal]: ...
 
+    # optional: ``release(request_id)``, called when a request ends
+
 
 class NgramIndex:
     """The latest end position of every n-gram (``n_min <= n <= n_max``) of a growing token
