@@ -83,8 +83,10 @@ class AsyncLLM:
         self, prompt: PromptType, params: SamplingParams, request_id: str, *,
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,
         deadline: Optional[float] = None, queue_deadline: Optional[float] = None,
+        prediction: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request."""
+        """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request.
+        ``prediction``: the expected output text (Predicted Outputs)."""
         self._check_alive()
         if request_id in self._internal:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -93,7 +95,7 @@ class AsyncLLM:
         internal = f"{request_id}@{next(self._counter)}"
         user, children = self.engine.make_requests(
             internal, prompt, params, priority=priority, cache_salt=cache_salt,
-            deadline=deadline, queue_deadline=queue_deadline)
+            deadline=deadline, queue_deadline=queue_deadline, prediction=prediction)
         stream = _Stream(asyncio.get_running_loop(), request_id)
         self._streams[internal] = stream
         self._internal[request_id] = internal

@@ -44,8 +44,12 @@ class LLM:
         *,
         cache_salt: Union[None, str, Sequence[Optional[str]]] = None,
         priority: Union[None, int, str, Sequence[Union[int, str, None]]] = None,
+        prediction: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (strings or token-id lists); outputs keep the input order."""
+        """Complete every prompt (strings or token-id lists); outputs keep the input order.
+
+        ``prediction``: the expected output text (per prompt, or one for all), replayed as
+        speculative drafts (OpenAI Predicted Outputs; docs/SPECULATIVE.md)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -53,10 +57,11 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         salts = self._per_prompt(cache_salt, n, "cache_salt")
         prios = self._per_prompt(priority, n, "priority")
+        preds = self._per_prompt(prediction, n, "prediction")
         # validate every prompt before any enters the engine
         prepared = [self.engine.make_requests(f"offline-{next(self._ids)}", prompt, p,
-                                              cache_salt=salt, priority=prio)
-                    for prompt, p, salt, prio in zip(prompts, params, salts, prios)]
+                                              cache_salt=salt, priority=prio, prediction=pred)
+                    for prompt, p, salt, prio, pred in zip(prompts, params, salts, prios, preds)]
         for user, children in prepared:
             self.engine.add_prepared(user, children)
         return self._run([user.request_id for user, _ in prepared])
@@ -133,6 +138,8 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> None:
         if d.finish_reason is not None:
             c.finish_reason = d.finish_reason
             c.stop_reason = d.stop_reason
+            c.accepted_prediction_tokens = d.accepted_prediction_tokens
+            c.rejected_prediction_tokens = d.rejected_prediction_tokens
     acc.finished = delta.finished
     if delta.error is not None:
         acc.error = delta.error

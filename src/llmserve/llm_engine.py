@@ -139,9 +139,10 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams, *,
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None, deadline: Optional[float] = None,
-        queue_deadline: Optional[float] = None,
+        queue_deadline: Optional[float] = None, prediction: Optional[str] = None,
     ) -> tuple[_UserRequest, list[Request]]:
-        """Validate and tokenize (thread-safe, touches no engine state)."""
+        """Validate and tokenize (thread-safe, touches no engine state). ``prediction``:
+        the expected output text, drafted from by speculative decoding."""
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         params.check_masks(self.vocab_size, self.eos_token_ids)
@@ -164,6 +165,12 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 deadline=deadline, queue_deadline=queue_deadline, parent_id=request_id,
                 index=i))
+        if prediction is not None:
+            if not isinstance(prediction, str):
+                raise ValueError("prediction must be a string")
+            pred_ids = self.tokenizer.encode(prediction, add_special_tokens=False)
+            for c in children:
+                c.spec_state = self.spec.prediction_state(pred_ids)
         user = _UserRequest(request_id, text, ids, [c.request_id for c in children])
         return user, children
 

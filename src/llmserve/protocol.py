@@ -105,6 +105,10 @@ class CompletionOutput:
     stop_reason: "Optional[str | int]" = None  # the stop string or token id that matched
     logprobs: Optional[list[TokenLogprob]] = None
     num_tokens: int = 0
+    # Predicted Outputs (final output of a request that brought a prediction): predicted
+    # tokens accepted by speculative verification, and the rest of the prediction
+    accepted_prediction_tokens: Optional[int] = None
+    rejected_prediction_tokens: Optional[int] = None
 
     @property
     def finished(self) -> bool:
@@ -118,7 +122,9 @@ class CompletionOutput:
         return CompletionOutput(
             index=self.index, text=self.text + later.text,
             token_ids=self.token_ids + later.token_ids, finish_reason=later.finish_reason,
-            stop_reason=later.stop_reason, logprobs=logprobs, num_tokens=later.num_tokens)
+            stop_reason=later.stop_reason, logprobs=logprobs, num_tokens=later.num_tokens,
+            accepted_prediction_tokens=later.accepted_prediction_tokens,
+            rejected_prediction_tokens=later.rejected_prediction_tokens)
 
 
 @dataclass

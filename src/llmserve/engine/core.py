@@ -171,6 +171,9 @@ class EngineCore:
                 return self.abort_request(req.request_id, FinishReason.ABORT.value)
             delta = step_delta if delta is None else delta.merge(step_delta)
             if finish is not None:
+                if getattr(req.spec_state, "prediction", None) is not None:
+                    delta.accepted_prediction_tokens = req.spec_state.accepted_prediction
+                    delta.rejected_prediction_tokens = req.spec_state.rejected_prediction
                 self.scheduler.finish_request(req, finish, stop_reason)
                 self.runner.release(req.request_id)
                 if self.spec is not None:

@@ -36,12 +36,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(ge=0)
 
 
+class CompletionTokensDetails(BaseModel):
+    """Predicted Outputs: predicted tokens accepted, and the rest of the prediction."""
+    model_config = _CLOSED
+    accepted_prediction_tokens: int = Field(ge=0)
+    rejected_prediction_tokens: int = Field(ge=0)
+
+
 class Usage(BaseModel):
     model_config = _CLOSED
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: Optional[CompletionTokensDetails] = None  # with a prediction
 
 
 class TopLogprob(BaseModel):

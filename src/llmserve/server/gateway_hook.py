@@ -66,6 +66,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Predicted Outputs: only for requests that brought a prediction
+    accepted_prediction_tokens: Optional[int] = None
+    rejected_prediction_tokens: Optional[int] = None
 
     @property
     def total_tokens(self) -> int:
@@ -73,12 +76,17 @@ class Usage:
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI ``usage`` object."""
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.accepted_prediction_tokens is not None:
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.rejected_prediction_tokens or 0}
+        return usage
 
 
 @dataclass

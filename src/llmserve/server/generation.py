@@ -61,6 +61,8 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Any = None
+    accepted_prediction_tokens: Optional[int] = None   # Predicted Outputs (final output)
+    rejected_prediction_tokens: Optional[int] = None
 
     @property
     def text(self) -> str:
@@ -95,8 +97,10 @@ class GenerationRun:
         gateway: Any,
         release_ids: Callable[[list[str]], None],
         served_model: Optional[str] = None,
+        prediction: Optional[str] = None,
     ) -> None:
         self.engine = engine
+        self.prediction = prediction   # Predicted Outputs text (chat), passed to the engine
         self.served_model = served_model
         self.prompts = prompts
         self.params = params
@@ -125,6 +129,8 @@ class GenerationRun:
         kwargs: dict[str, Any] = {}
         if ctx.queue_deadline is not None and supports_queue_deadline(type(self.engine)):
             kwargs["queue_deadline"] = ctx.queue_deadline
+        if self.prediction is not None:
+            kwargs["prediction"] = self.prediction
         stream = self.engine.generate(
             self.prompts[prompt_idx], self.params, self.engine_ids[prompt_idx],
             priority=ctx.priority, cache_salt=ctx.cache_salt, deadline=ctx.deadline, **kwargs)
@@ -259,6 +265,8 @@ class GenerationRun:
             if c.finish_reason is not None and state.finish_reason is None:
                 state.finish_reason = str(getattr(c.finish_reason, "value", c.finish_reason))
                 state.stop_reason = c.stop_reason
+                state.accepted_prediction_tokens = getattr(c, "accepted_prediction_tokens", None)
+                state.rejected_prediction_tokens = getattr(c, "rejected_prediction_tokens", None)
                 self.timer.on_choice_finished(state.index, state.num_tokens, state.finish_reason)
             changed.append(ChoiceDelta(state.index, c.text, c.logprobs,
                                        state.finish_reason if c.finish_reason else None,
@@ -286,9 +294,15 @@ class GenerationRun:
         """
         prompts = [i for i in range(len(self.prompts))
                    if not computed or self.scheduled[i] is not False]
-        return Usage(prompt_tokens=sum(self.prompt_tokens[i] for i in prompts),
-                     completion_tokens=sum(c.num_tokens for c in self.choices),
-                     cached_tokens=sum(self.cached_tokens[i] for i in prompts))
+        usage = Usage(prompt_tokens=sum(self.prompt_tokens[i] for i in prompts),
+                      completion_tokens=sum(c.num_tokens for c in self.choices),
+                      cached_tokens=sum(self.cached_tokens[i] for i in prompts))
+        if self.prediction is not None:
+            usage.accepted_prediction_tokens = sum(c.accepted_prediction_tokens or 0
+                                                   for c in self.choices)
+            usage.rejected_prediction_tokens = sum(c.rejected_prediction_tokens or 0
+                                                   for c in self.choices)
+        return usage
 
     async def abort_unfinished(self) -> None:
         """Abort every prompt still in the engine and wait for the engine to confirm.

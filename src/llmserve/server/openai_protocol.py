@@ -163,10 +163,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    prediction: Optional[dict[str, Any]] = None   # Predicted Outputs (docs/SPECULATIVE.md)
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""
         self.check_common()
+        _ = self.prediction_text   # validates the prediction
         if not self.messages:
             raise bad_request("messages must be a non-empty array", param="messages")
         if self.tools:
@@ -190,6 +192,26 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> Optional[int]:
         """SamplingParams.logprobs: None, or how many top alternatives to return."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def prediction_text(self) -> Optional[str]:
+        """``prediction: {"type": "content", "content": str | [{"type": "text", "text"}]}``
+        as one string (None without a prediction); raises OpenAIError (400) otherwise."""
+        pred = self.prediction
+        if pred is None:
+            return None
+        content = pred.get("content") if isinstance(pred, dict) else None
+        if not isinstance(pred, dict) or pred.get("type") != "content" or content is None:
+            raise bad_request("prediction must be {'type': 'content', 'content': ...}",
+                              param="prediction")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content):
+            return "".join(p["text"] for p in content)
+        raise bad_request("prediction.content must be a string or an array of text parts",
+                          param="prediction")
 
 
 class CompletionRequest(_SamplingFields):

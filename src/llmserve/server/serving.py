@@ -329,7 +329,8 @@ class OpenAIServing:
         engine = self.engines[served]
         run = GenerationRun(engine, prompts, params, engine_ids, ctx, self.metrics,
                             RequestTimer(self.metrics, arrival), self.gateway, self._release_ids,
-                            served_model=served)
+                            served_model=served,
+                            prediction=req.prediction_text if chat else None)
         prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         header = ResponseHeader(f"{prefix}-{ctx.request_id}",
