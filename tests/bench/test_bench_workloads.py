@@ -137,3 +137,17 @@ def test_random_lengths_with_the_default_model_tokenizer():
     specs = random_workload(tok, 5, input_len=64, output_len=4, seed=0)
     assert [s.input_len for s in specs] == [64] * 5
     assert all(len(tok.encode(s.prompt, add_special_tokens=False)) == 64 for s in specs)
+
+
+def test_extractive_passages_are_seeded_and_sized(bpe_tokenizer):
+    a = build_workload("extractive", bpe_tokenizer, num_prompts=6, input_len=200, output_len=1,
+                       seed=3)
+    b = build_workload("extractive", bpe_tokenizer, num_prompts=6, input_len=200, output_len=1,
+                       seed=3)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert {s.extra["task"] for s in a} == {"repeat", "correct", "rewrite"}
+    for s in a:
+        instruction, passage = s.prompt.split("\n\n", 1)
+        assert s.input_len == n_tokens(bpe_tokenizer, s.prompt)
+        assert s.output_len == n_tokens(bpe_tokenizer, passage) + 16
+        assert len(passage.split()) >= 150

@@ -15,6 +15,8 @@ Workloads:
   assistant reply (``output_len`` tokens, generated here, not the server's) + a new user
   message of ``input_len`` tokens, so later turns extend earlier ones exactly. The load
   generator sends turn k only after turn k-1 finished.
+* ``extractive``: long passages with an instruction to repeat, correct or reformat them
+  (bench/extractive.py); the output length is the passage's, so ``output_len`` is unused.
 * ``jsonl``: one JSON object per line with ``prompt`` (string) or ``messages`` (chat list),
   and optionally ``max_tokens``/``output_len``; lines are cycled to ``num_prompts``.
 
@@ -35,7 +37,7 @@ from typing import Optional, Protocol
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("random", "shared-prefix", "chat", "jsonl")
+WORKLOADS = ("random", "shared-prefix", "chat", "jsonl", "extractive")
 
 
 class TextTokenizer(Protocol):
@@ -324,6 +326,10 @@ def build_workload(name: str, tokenizer: TextTokenizer, *, num_prompts: int, inp
                                       output_len, seed)
     if name == "chat":
         return chat_workload(tokenizer, num_prompts, num_turns, input_len, output_len, seed)
+    if name == "extractive":
+        from llmserve.bench.extractive import extractive_workload
+
+        return extractive_workload(tokenizer, num_prompts, input_len, seed)
     if name == "jsonl":
         if not dataset:
             raise ValueError("the jsonl workload needs --dataset PATH")
