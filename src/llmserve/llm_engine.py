@@ -24,6 +24,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.protocol import CompletionOutput, EngineStats, RequestOutput, priority_value
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.compiler import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class LLMEngine:
         # token ids the tokenizer can decode; a checkpoint's padded vocab rows are never sampled
         self.vocab_size = min(ckpt.config.vocab_size, self.tokenizer.vocab_size)
         self.runner = ModelRunner(config, ckpt, model_len, eos, sample_vocab_size=self.vocab_size)
+        #: structured-output grammars for this tokenizer (compiled off the engine thread by
+        #: AsyncLLM; inline by a synchronous add_request)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         self.dtype = str(self.runner.dtype).replace("torch.", "")
         self.kv_dtype = str(self.runner.kv_dtype).replace("torch.", "")
         pool_tokens = self.runner.num_blocks * config.block_size
@@ -143,6 +147,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         params.check_masks(self.vocab_size, self.eos_token_ids)
+        params = self.grammars.bind(params)   # cached, or compiled here (ValueError: bad spec)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -26,6 +26,7 @@ from llmserve.model.loader import CheckpointSource
 from llmserve.model.models.llama import LlamaForCausalLM
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
 from llmserve.model.quant import describe_quantization, select_linear_method
+from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class ModelRunner:
         self.sample_vocab_size = sample_vocab_size or mc.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
+        self.adjuster = LogitsAdjuster(self.device)   # logit_bias and grammar masks
         self.capture_logits = False       # tests: keep the sampled rows' logits
         self.capture_all_logits = False   # tests: logits of every scheduled token
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else env_flag(
@@ -104,6 +106,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator)."""
         self.generators.pop(request_id, None)
+        self.adjuster.release(request_id)
 
     # ---- one step -------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepOutput:
@@ -183,6 +186,7 @@ class ModelRunner:
         batch = SamplingBatch.build([s.params for s in samp], [s.prompt_token_ids for s in samp],
                                     [s.output_token_ids for s in samp], gens, logits.shape[-1],
                                     dev, self.eos_token_ids)
+        self.adjuster.attach(batch, samp, out.request_ids)
         result = self.sampler(logits, batch)
         out.token_ids = [[t] for t in result.token_ids]
         if result.logprobs is not None:
@@ -203,11 +207,13 @@ class ModelRunner:
 
 
 def _plain_greedy(s) -> bool:
-    """Greedy with nothing that changes or reports logits (penalties, masks, logprobs)."""
+    """Greedy with nothing that changes or reports logits (penalties, masks, logit_bias,
+    grammars, logprobs)."""
     p = s.params
     return (p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens))
+            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens)
+            and not LogitsAdjuster.wants(p))
 
 
 def _argmax_tokens(logits: torch.Tensor) -> list[int]:
