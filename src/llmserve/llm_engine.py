@@ -6,6 +6,7 @@ per-step deltas are folded back into one RequestOutput per user request.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +23,8 @@ from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
-from llmserve.protocol import CompletionOutput, EngineStats, RequestOutput, priority_value
+from llmserve.protocol import (CompletionOutput, EngineStats, RequestOutput, TokenLogprob,
+                               TopLogprob, priority_value)
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.compiler import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
@@ -40,6 +42,7 @@ class _UserRequest:
     children: list[str]
     num_cached_tokens: int = 0
     finished_children: set = field(default_factory=set)
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -161,8 +164,11 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             cid = request_id if i == 0 else f"{request_id}#{i}"
+            child = params.child(i) if params.n > 1 else params
+            if i and child.prompt_logprobs is not None:  # the first child scores the prompt
+                child = dataclasses.replace(child, prompt_logprobs=None)
             children.append(Request(
-                cid, ids, params.child(i) if params.n > 1 else params, prompt=text,
+                cid, ids, child, prompt=text,
                 priority=prio, arrival_time=arrival, cache_salt=cache_salt,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 deadline=deadline, queue_deadline=queue_deadline, parent_id=request_id,
@@ -224,6 +230,10 @@ class LLMEngine:
                     outputs=[], metrics=u.request.metrics)
             if u.request.index == 0 and u.request.num_cached_tokens > 0:
                 user.num_cached_tokens = u.request.num_cached_tokens
+            if u.request.index == 0 and u.request.prompt_logprobs is not None \
+                    and not user.prompt_logprobs_sent:
+                user.prompt_logprobs_sent = True
+                out.prompt_logprobs = self._prompt_logprobs(u.request)
             out.outputs.append(u.delta)
             if u.error is not None:
                 out.error = u.error
@@ -237,6 +247,15 @@ class LLMEngine:
                 out.finished = True
                 del self._requests[pid]
         return list(by_parent.values())
+
+    def _prompt_logprobs(self, request: Request) -> list[Optional[TokenLogprob]]:
+        """TokenLogprob of every prompt token but the first (None) from the step results."""
+        text = self.core.outputs.token_text
+        out: list[Optional[TokenLogprob]] = [None]
+        for token, (lp, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
+            out.append(TokenLogprob(token, text(token), lp,
+                                    [TopLogprob(t, text(t), v) for t, v in top]))
+        return out
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -133,6 +133,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     error: Optional[RequestFailedError] = None  # set when a completion ended with "error"
+    #: prompt_logprobs requests, on the first output that has them: one entry per prompt
+    #: token, None for the first (nothing precedes it)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 @dataclass

@@ -44,6 +44,10 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
                                         req.output_token_ids)
         step.add(req.request_id, req.all_token_ids[s.start:end], s.start,
                  kv.blocks_of(req.request_id), 1 if s.samples else 0, sampling)
+        k = req.sampling_params.prompt_logprobs
+        if k is not None and s.start + 1 < req.num_prompt_tokens:
+            step.prompt_logprob_targets[req.request_id] = (
+                k, req.prompt_token_ids[s.start + 1:min(end + 1, req.num_prompt_tokens)])
     return step
 
 
@@ -124,6 +128,12 @@ class EngineCore:
         updates = self._settle_failures(failures) if failures else []
         self.scheduler.on_step_done(sched)
         requests = self.scheduler.requests
+        for rid, (first, entries) in (result.prompt_logprobs or {}).items():
+            req = requests.get(rid)
+            if req is not None:  # positions 1.., kept once (a recompute scores them again)
+                have = req.prompt_logprobs = req.prompt_logprobs or []
+                if len(have) == first - 1:
+                    have.extend(entries)
         lps = result.logprobs
         tops = result.top_logprobs
         for i, rid in enumerate(result.request_ids):

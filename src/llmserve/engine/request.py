@@ -39,7 +39,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
         "stop_reason", "block_hashes", "num_preemptions", "last_preempted_step",
         "metrics", "eos_token_ids", "max_total_tokens", "deadline", "queue_deadline",
-        "parent_id", "index",
+        "parent_id", "index", "prompt_logprobs",
     )
 
     def __init__(
@@ -87,6 +87,8 @@ class Request:
         self.queue_deadline = queue_deadline  # time.time(): drop it if still unscheduled then
         self.parent_id = parent_id
         self.index = index
+        #: (logprob, top) of prompt tokens 1.. (prompt_logprobs requests), filled by steps
+        self.prompt_logprobs: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:

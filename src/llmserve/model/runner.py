@@ -23,10 +23,11 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.loader import CheckpointSource
+from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.models.llama import LlamaForCausalLM
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
+from llmserve.model.prompt_logprobs import score_prompt_tokens
 from llmserve.model.quant import describe_quantization, select_linear_method
-from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class ModelRunner:
             self.release(rid)
         order = self._order(step)
         compiled = (self.compiled is not None and not self.capture_all_logits
-                    and step.is_decode_only and self.compiled.accepts(step.num_seqs))
+                    and not step.prompt_logprob_targets and step.is_decode_only and self.compiled.accepts(step.num_seqs))
         pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
         staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
         logits_all = None
@@ -136,7 +137,11 @@ class ModelRunner:
                 if self.capture_all_logits:
                     logits_all = self.model.compute_logits(hidden)
                 logits = None
-            return self._sample(step, order, staged, hidden, logits, logits_all)
+            out = self._sample(step, order, staged, hidden, logits, logits_all)
+            if step.prompt_logprob_targets:
+                out.prompt_logprobs = score_prompt_tokens(self.model, hidden, staged.row_starts,
+                                                          order, step)
+            return out
 
     def _order(self, step: StepInput) -> list[int]:
         """Sequence indices decodes first, then by (chunk length, table width) buckets."""
