@@ -340,6 +340,12 @@ def make_sampling_params(
     kwargs = req.sampling_kwargs()
     kwargs["max_tokens"] = max_tokens
     kwargs["logprobs"] = logprobs
+    kwargs["structured_output"] = req.output_spec
+    if isinstance(req, CompletionRequest):
+        kwargs["n"] = req.num_candidates
+        kwargs["prompt_logprobs"] = req.wants_prompt_logprobs
+        if req.num_candidates > (req.n or 1) and logprobs is None:
+            kwargs["logprobs"] = 0   # best_of ranks candidates by their sampled tokens' logprobs
     n = kwargs.get("n", 1)
     if isinstance(n, int) and n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"n must be at most {MAX_CHOICES_PER_REQUEST}, got {n}", param="n")

@@ -237,3 +237,70 @@ def _calls_of(body: str, known: set[str]) -> Optional[list[ToolCall]]:
         calls.append(ToolCall(new_call_id(), item["name"],
                               json.dumps(args, ensure_ascii=False)))
     return calls or None
+
+
+class ToolCallStreamer:
+    """Splits one streamed choice's text into content deltas and tool-call deltas.
+
+    Text that may still become ``<tool_call>`` is held back; a complete block that parses
+    as a call is sent as OpenAI streams calls: a delta with the call's ``index``, ``id``,
+    ``type`` and ``function.name`` (empty ``arguments``), then one with the ``arguments``
+    text. Whitespace between blocks is not sent as content.
+    """
+
+    def __init__(self, tools: list[dict]) -> None:
+        self.tools = tools
+        self.buffer = ""
+        self.num_calls = 0
+
+    def _emit_calls(self, block: str) -> Optional[list[dict[str, Any]]]:
+        _, calls = parse_tool_calls(block, self.tools)
+        if not calls:
+            return None
+        deltas = []
+        for c in calls:
+            deltas.append({"index": self.num_calls, "id": c.id, "type": "function",
+                           "function": {"name": c.name, "arguments": ""}})
+            deltas.append({"index": self.num_calls, "function": {"arguments": c.arguments}})
+            self.num_calls += 1
+        return deltas
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send now, tool-call deltas to send now) after ``text``; ``final``
+        flushes what was held back."""
+        self.buffer += text
+        content: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while True:
+            start = self.buffer.find(OPEN)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self.buffer, OPEN)
+                content.append(self.buffer[:len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            end = self.buffer.find(CLOSE, start)
+            if end < 0 and not final:
+                content.append(self.buffer[:start])
+                self.buffer = self.buffer[start:]
+                break
+            stop = len(self.buffer) if end < 0 else end + len(CLOSE)
+            block = self.buffer[start:stop]
+            content.append(self.buffer[:start])
+            calls = self._emit_calls(block) if end >= 0 else None
+            if calls is None:
+                content.append(block)
+            else:
+                deltas.extend(calls)
+            self.buffer = self.buffer[stop:]
+        text_out = "".join(content)
+        if self.num_calls and not text_out.strip():
+            text_out = ""
+        return text_out, deltas
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
