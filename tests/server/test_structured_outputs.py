@@ -254,3 +254,92 @@ def test_accepted_and_ignored_fields(tiny_server):
         model="", messages=MESSAGES, max_tokens=2, store=False, metadata={"k": "v"},
         service_tier="auto", modalities=["text"], user="u1")
     assert resp.choices[0].message.refusal is None
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+def test_named_tool_choice_yields_a_valid_call_and_the_stream_reassembles_it(tiny_server):
+    c = client(tiny_server)
+    kwargs = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  tools=[WEATHER, TIME], max_tokens=120, temperature=1.0, seed=21,
+                  parallel_tool_calls=False,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    resp = c.chat.completions.create(**kwargs)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                if d.function and d.function.name:
+                    entry["name"] = d.function.name
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads(calls[0]["arguments"]) == args
+
+
+def test_required_tool_choice_and_tool_results_fed_back(tiny_server):
+    c = client(tiny_server)
+    resp = c.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "What time is it in UTC?"}],
+        tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, temperature=1.0,
+        seed=4, n=4)
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments),
+                                tool["function"]["parameters"])
+    call = resp.choices[0].message.tool_calls[0]
+    follow = c.chat.completions.create(model="", max_tokens=4, tools=[WEATHER, TIME], messages=[
+        {"role": "user", "content": "What time is it in UTC?"},
+        resp.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_auto_tool_choice_parses_hermes_blocks():
+    from llmserve.server.tool_calls import ToolCallStreamer, check_tools, parse_tool_calls
+
+    tools = check_tools([WEATHER, TIME])
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Oslo", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n'
+            '[{"name": "get_time", "arguments": {"zone": "CET"}}]\n</tool_call>')
+    content, calls = parse_tool_calls(text, tools)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    assert parse_tool_calls("<tool_call>{\"name\": \"nope\"}</tool_call>", tools)[1] == []
+    streamer, sent, deltas = ToolCallStreamer(tools), [], []
+    for i in range(0, len(text), 3):   # arbitrary cuts, markers split across pieces
+        piece, d = streamer.feed(text[i:i + 3])
+        sent.append(piece)
+        deltas += d
+    piece, d = streamer.feed("", final=True)
+    sent.append(piece)
+    deltas += d
+    assert "".join(sent).strip() == "Let me check."
+    assert [d["function"].get("name") for d in deltas if "id" in d] == ["get_weather", "get_time"]
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas if d["index"] == 0)) \
+        == {"city": "Oslo", "unit": "celsius"}

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from llmserve.server.errors import bad_request
-from llmserve.structured_output.spec import (StructuredOutputSpec, UnsupportedGrammarError,
-                                             check_spec)
+from llmserve.structured_output.spec import (JSON_OPTIONS, StructuredOutputSpec,
+                                             UnsupportedGrammarError, check_spec)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -138,6 +138,7 @@ def tool_call_spec(tools: list[dict], choice: Union[str, dict],
               or t["function"]["name"] == choice["name"]]
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {
         "anyOf": [_call_schema(t) for t in chosen]}
+    schema["x-guidance"] = dict(JSON_OPTIONS)   # compact JSON, as for response_format
     block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
     more = ' ("\\n" block)*' if parallel else ""
     lark = f"start: block{more}\nblock: {block}\ncall: %json {json.dumps(schema)}"
