@@ -259,7 +259,15 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        return self.core.stats()
+        stats = self.core.stats()
+        masks = self.runner.adjuster.matchers
+        stats.grammar_mask_seconds_total = masks.mask_seconds_total
+        stats.grammar_mask_steps_total = masks.mask_steps_total
+        stats.grammar_mask_rows_total = masks.mask_rows_total
+        stats.grammar_compile_seconds_total = self.grammars.compile_seconds_total
+        stats.grammar_cache_hits = self.grammars.hits
+        stats.grammar_cache_misses = self.grammars.misses
+        return stats
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -159,3 +159,9 @@ class EngineStats:
     num_step_errors: int = 0       # steps whose model execution raised (culprits isolated)
     weight_bytes: int = 0          # model weights resident (packed formats at their size)
     kv_bytes_per_token: int = 0    # KV pool bytes per token slot (all layers, K and V, scales)
+    grammar_mask_seconds_total: float = 0.0  # structured outputs: bitmask time (sync + masks)
+    grammar_mask_steps_total: int = 0        # steps that masked at least one row
+    grammar_mask_rows_total: int = 0         # constrained rows masked
+    grammar_compile_seconds_total: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0

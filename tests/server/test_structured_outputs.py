@@ -343,3 +343,14 @@ def test_auto_tool_choice_parses_hermes_blocks():
     assert [d["function"].get("name") for d in deltas if "id" in d] == ["get_weather", "get_time"]
     assert json.loads("".join(d["function"]["arguments"] for d in deltas if d["index"] == 0)) \
         == {"city": "Oslo", "unit": "celsius"}
+
+
+def test_metrics_report_grammar_mask_time(tiny_server):
+    from tests.server.server_helpers import metric_value
+
+    client(tiny_server).completions.create(
+        model="", prompt="m", max_tokens=8, extra_body={"structured_outputs": {"regex": "[ab]{4}"}})
+    text = tiny_server.metrics_text()
+    assert metric_value(text, "llmserve_grammar_mask_seconds_total") > 0
+    assert metric_value(text, "llmserve_grammar_mask_rows_total") >= 4
+    assert metric_value(text, "llmserve_grammar_cache_misses_total") >= 1
