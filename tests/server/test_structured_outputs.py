@@ -354,3 +354,12 @@ def test_metrics_report_grammar_mask_time(tiny_server):
     assert metric_value(text, "llmserve_grammar_mask_seconds_total") > 0
     assert metric_value(text, "llmserve_grammar_mask_rows_total") >= 4
     assert metric_value(text, "llmserve_grammar_cache_misses_total") >= 1
+
+
+def test_min_tokens_and_ignore_eos_do_not_break_a_finished_grammar(tiny_server):
+    resp = client(tiny_server).completions.create(
+        model="", prompt="c", max_tokens=12, temperature=1.0, seed=1,
+        extra_body={"structured_outputs": {"choice": ["ab", "cd"]}, "min_tokens": 12,
+                    "ignore_eos": True})
+    assert resp.choices[0].text in ("ab", "cd")
+    assert resp.usage.completion_tokens == 12   # EOS after the grammar ended, as asked

@@ -8,7 +8,8 @@
   :class:`llmserve.structured_output.matchers.GrammarMatchers` (int32 words, 32 tokens
   each; unconstrained rows all ones) and copied to the device in one transfer,
 
-and attaches them to the step's :class:`SamplingBatch`. The sampler applies both in its
+and attaches them to the step's :class:`SamplingBatch`. Rows under a grammar drop their
+``min_tokens`` mask (EOS is the only token a complete grammar allows). The sampler applies both in its
 logit processing (:func:`apply_logit_bias_`, :func:`apply_token_bitmask_`): one
 ``index_add_`` and one masked fill over the whole batch, no loop over tokens.
 """
@@ -77,6 +78,12 @@ class LogitsAdjuster:
             batch.bias_value = torch.tensor(values, dtype=torch.float32).to(self.device)
         if grammar_rows:
             batch.token_bitmask = self._bitmask(grammar_rows, batch.batch_size, vocab)
+            if batch.banned_index is not None:
+                # min_tokens never holds a grammar open: a complete grammar allows only EOS,
+                # which min_tokens would mask too, leaving nothing to sample
+                rows = torch.tensor([r for r, *_ in grammar_rows], device=self.device)
+                keep = ~torch.isin(batch.banned_index // vocab, rows)
+                batch.banned_index = batch.banned_index[keep] if bool(keep.any()) else None
 
     def _bitmask(self, rows, batch_size: int, vocab: int) -> torch.Tensor:
         words = bitmask_words(vocab)
