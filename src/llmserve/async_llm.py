@@ -88,6 +88,10 @@ class AsyncLLM:
         """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request.
         ``prediction``: the expected output text (Predicted Outputs)."""
         self._check_alive()
+        spec = getattr(params, "structured_output", None)
+        if spec is not None:  # compile on the grammar thread: the engine thread never waits
+            params = self.engine.grammars.bind(
+                params, await self.engine.grammars.compile_async(spec))
         if request_id in self._internal:
             raise ValueError(f"request id {request_id!r} is already running")
         # A unique engine id per call: a retry that reuses the caller's id can never
@@ -165,6 +169,7 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
+        self.engine.grammars.shutdown()
 
     # ---- engine thread --------------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:

@@ -6,6 +6,7 @@ per-step deltas are folded back into one RequestOutput per user request.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,9 +23,11 @@ from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
-from llmserve.protocol import CompletionOutput, EngineStats, RequestOutput, priority_value
+from llmserve.protocol import (CompletionOutput, EngineStats, RequestOutput, TokenLogprob,
+                               TopLogprob, priority_value)
 from llmserve.sampling_params import SamplingParams
 from llmserve.speculation import build_speculation
+from llmserve.structured_output.compiler import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class _UserRequest:
     children: list[str]
     num_cached_tokens: int = 0
     finished_children: set = field(default_factory=set)
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -73,6 +77,9 @@ class LLMEngine:
         # token ids the tokenizer can decode; a checkpoint's padded vocab rows are never sampled
         self.vocab_size = min(ckpt.config.vocab_size, self.tokenizer.vocab_size)
         self.runner = ModelRunner(config, ckpt, model_len, eos, sample_vocab_size=self.vocab_size)
+        #: structured-output grammars for this tokenizer (compiled off the engine thread by
+        #: AsyncLLM; inline by a synchronous add_request)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         self.dtype = str(self.runner.dtype).replace("torch.", "")
         self.kv_dtype = str(self.runner.kv_dtype).replace("torch.", "")
         pool_tokens = self.runner.num_blocks * config.block_size
@@ -146,6 +153,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         params.check_masks(self.vocab_size, self.eos_token_ids)
+        params = self.grammars.bind(params)   # cached, or compiled here (ValueError: bad spec)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -159,8 +167,11 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             cid = request_id if i == 0 else f"{request_id}#{i}"
+            child = params.child(i) if params.n > 1 else params
+            if i and child.prompt_logprobs is not None:  # the first child scores the prompt
+                child = dataclasses.replace(child, prompt_logprobs=None)
             children.append(Request(
-                cid, ids, params.child(i) if params.n > 1 else params, prompt=text,
+                cid, ids, child, prompt=text,
                 priority=prio, arrival_time=arrival, cache_salt=cache_salt,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 deadline=deadline, queue_deadline=queue_deadline, parent_id=request_id,
@@ -228,6 +239,10 @@ class LLMEngine:
                     outputs=[], metrics=u.request.metrics)
             if u.request.index == 0 and u.request.num_cached_tokens > 0:
                 user.num_cached_tokens = u.request.num_cached_tokens
+            if u.request.index == 0 and u.request.prompt_logprobs is not None \
+                    and not user.prompt_logprobs_sent:
+                user.prompt_logprobs_sent = True
+                out.prompt_logprobs = self._prompt_logprobs(u.request)
             out.outputs.append(u.delta)
             if u.error is not None:
                 out.error = u.error
@@ -242,9 +257,26 @@ class LLMEngine:
                 del self._requests[pid]
         return list(by_parent.values())
 
+    def _prompt_logprobs(self, request: Request) -> list[Optional[TokenLogprob]]:
+        """TokenLogprob of every prompt token but the first (None) from the step results."""
+        text = self.core.outputs.token_text
+        out: list[Optional[TokenLogprob]] = [None]
+        for token, (lp, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
+            out.append(TokenLogprob(token, text(token), lp,
+                                    [TopLogprob(t, text(t), v) for t, v in top]))
+        return out
+
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        return self.core.stats()
+        stats = self.core.stats()
+        masks = self.runner.adjuster.matchers
+        stats.grammar_mask_seconds_total = masks.mask_seconds_total
+        stats.grammar_mask_steps_total = masks.mask_steps_total
+        stats.grammar_mask_rows_total = masks.mask_rows_total
+        stats.grammar_compile_seconds_total = self.grammars.compile_seconds_total
+        stats.grammar_cache_hits = self.grammars.hits
+        stats.grammar_cache_misses = self.grammars.misses
+        return stats
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

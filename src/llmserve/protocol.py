@@ -139,6 +139,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     error: Optional[RequestFailedError] = None  # set when a completion ended with "error"
+    #: prompt_logprobs requests, on the first output that has them: one entry per prompt
+    #: token, None for the first (nothing precedes it)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 @dataclass
@@ -165,3 +168,9 @@ class EngineStats:
     spec_proposed_tokens_total: int = 0   # speculative draft tokens verified
     spec_accepted_tokens_total: int = 0   # ...and accepted
     spec_acceptance_lengths: list[int] = field(default_factory=list)  # [a]: steps accepting a
+    grammar_mask_seconds_total: float = 0.0  # structured outputs: bitmask time (sync + masks)
+    grammar_mask_steps_total: int = 0        # steps that masked at least one row
+    grammar_mask_rows_total: int = 0         # constrained rows masked
+    grammar_compile_seconds_total: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0

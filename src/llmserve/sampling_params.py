@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Collection, Optional, Sequence, Union
+from typing import Collection, Mapping, Optional, Sequence, Union
+
+from llmserve.structured_output.spec import StructuredOutputSpec
 
 _MAX_LOGPROBS = 20
 
@@ -17,6 +19,8 @@ PENALTY_RANGE = (-2.0, 2.0)            # presence_penalty, frequency_penalty (Op
 SEED_RANGE = (-(2**63), 2**64 - 1)
 #: Token ids and priorities are stored in 32-bit-safe integers downstream.
 MAX_TOKEN_ID = 2**31 - 1
+#: OpenAI's range for logit_bias values (added to the logits).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass
@@ -26,7 +30,9 @@ class SamplingParams:
     Filters apply to the logits in this order (see llmserve.model.sampler):
       1. penalties: repetition (on prompt + output tokens), then frequency and presence
          (on output tokens), all before temperature;
-      2. `min_tokens`: EOS and stop token ids are masked until that many tokens exist;
+      2. `logit_bias` is added, then the `structured_output` grammar masks every token it
+         does not allow next, then `min_tokens` masks EOS and stop token ids until that
+         many tokens exist;
       3. temperature (0 means greedy: argmax of the penalised logits, filters skipped);
       4. top-k, then top-p (nucleus, over the top-k survivors), then min-p (relative to
          the most likely surviving token);
@@ -59,6 +65,9 @@ class SamplingParams:
     logprobs: Optional[int] = None   # None: no logprobs; 0: chosen token only; k: plus top-k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Optional[Mapping[int, float]] = None   # token id -> added to its logit
+    structured_output: Optional[StructuredOutputSpec] = None
+    prompt_logprobs: Optional[int] = None  # None: off; k: each prompt token's logprob + top-k
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +80,8 @@ class SamplingParams:
         else:
             self._stop_list = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         self.validate()
 
     @property
@@ -138,18 +149,32 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not 0 <= integer("stop_token_ids[]", t) <= MAX_TOKEN_ID:
                 raise ValueError(f"stop_token_ids must be in [0, 2**31), got {t}")
-        if self.logprobs is not None:
-            lp = integer("logprobs", self.logprobs)
-            if not 0 <= lp <= _MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {lp}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= integer(name, value) <= _MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {_MAX_LOGPROBS}], got {value}")
+        for t, bias in (self.logit_bias or {}).items():
+            if not 0 <= integer("logit_bias", t) <= MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias keys must be token ids in [0, 2**31), got {t}")
+            low, high = LOGIT_BIAS_RANGE
+            if not low <= num("logit_bias", bias) <= high:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.structured_output is not None and \
+                not isinstance(self.structured_output, StructuredOutputSpec):
+            raise ValueError("structured_output must be a StructuredOutputSpec")
 
     def check_masks(self, vocab_size: int, eos_token_ids: Collection[int] = ()) -> None:
-        """Raise ValueError when the min_tokens mask would leave no token to sample.
+        """Raise ValueError when the min_tokens mask would leave no token to sample, or a
+        logit_bias token id is outside the vocabulary.
 
         While fewer than `min_tokens` tokens exist, EOS (also under `ignore_eos`) and
         `stop_token_ids` are masked; if those cover every id in [0, vocab_size) no token
         could be drawn. The engine calls this with its vocabulary before accepting a request.
         """
+        for t in self.logit_bias or {}:
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
         if not self.min_tokens:
             return
         banned = {t for t in (*eos_token_ids, *self.stop_token_ids) if 0 <= t < vocab_size}

@@ -117,10 +117,16 @@ def _narrow(components: dict[str, Any], model: str) -> dict[str, Any]:
         tighten(props["stop"], maxItems=3, maxLength=12)
         props["stop"]["anyOf"][1]["items"]["maxLength"] = 12
         tighten(props["user"], maxLength=20)
+        # constraints are exercised by tests/server/test_structured_outputs.py; random
+        # grammars and biases would only be slow here
+        props["structured_outputs"] = {"type": "null"}
+        props["logit_bias"] = {"type": "null"}
     chat = c["ChatCompletionRequest"]["properties"]
     chat["max_completion_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 6},
                                                {"type": "null"}]}
     chat["messages"]["maxItems"] = 3
+    for name in ("tools", "tool_choice", "response_format"):
+        chat[name] = {"type": "null"}
     content = c["ChatMessage"]["properties"]["content"]["anyOf"]
     content[0]["maxLength"] = 80
     content[1]["maxItems"] = 3

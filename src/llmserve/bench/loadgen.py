@@ -89,6 +89,7 @@ def build_payload(spec: RequestSpec, model: str, endpoint: str, *, ignore_eos: b
     if ignore_eos:
         body["ignore_eos"] = True
         body["min_tokens"] = spec.output_len
+    body.update(spec.extra)   # per-request fields of the workload (e.g. response_format)
     body.update(extra_body or {})
     return body
 

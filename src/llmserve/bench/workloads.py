@@ -17,6 +17,11 @@ Workloads:
   generator sends turn k only after turn k-1 finished.
 * ``extractive``: long passages with an instruction to repeat, correct or reformat them
   (bench/extractive.py); the output length is the passage's, so ``output_len`` is unused.
+* ``json-schema``: ``random`` prompts whose requests carry a JSON schema
+  (``structured_outputs.json``, accepted on both endpoints) (an object holding an unbounded array of records), so every token is sampled
+  under a grammar mask; the schema never forces the output to end, so ``ignore_eos``
+  runs keep their exact output length. Compare with ``random`` at the same seed and
+  lengths for the cost of the masks.
 * ``jsonl``: one JSON object per line with ``prompt`` (string) or ``messages`` (chat list),
   and optionally ``max_tokens``/``output_len``; lines are cycled to ``num_prompts``.
 
@@ -37,7 +42,17 @@ from typing import Optional, Protocol
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("random", "shared-prefix", "chat", "jsonl", "extractive")
+WORKLOADS = ("random", "shared-prefix", "chat", "json-schema", "jsonl", "extractive")
+
+#: The schema of the json-schema workload: records without a bound, so never forced to end.
+BENCH_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "score": {"type": "number"},
+                       "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "score", "tags"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
 
 
 class TextTokenizer(Protocol):
@@ -330,6 +345,12 @@ def build_workload(name: str, tokenizer: TextTokenizer, *, num_prompts: int, inp
         from llmserve.bench.extractive import extractive_workload
 
         return extractive_workload(tokenizer, num_prompts, input_len, seed)
+    if name == "json-schema":
+        specs = random_workload(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
+        for s in specs:
+            s.request_id = s.request_id.replace("random", "json-schema", 1)
+            s.extra["structured_outputs"] = {"json": BENCH_JSON_SCHEMA}   # chat and completions
+        return specs
     if name == "jsonl":
         if not dataset:
             raise ValueError("the jsonl workload needs --dataset PATH")

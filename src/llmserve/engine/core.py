@@ -51,6 +51,10 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
             sampling.draft_probs = None if probs is None else probs[:nd]
         step.add(req.request_id, tokens, s.start, kv.blocks_of(req.request_id),
                  1 + nd if s.samples else 0, sampling)
+        k = req.sampling_params.prompt_logprobs
+        if k is not None and s.start + 1 < req.num_prompt_tokens:
+            step.prompt_logprob_targets[req.request_id] = (
+                k, req.prompt_token_ids[s.start + 1:min(end + 1, req.num_prompt_tokens)])
     return step
 
 
@@ -139,6 +143,12 @@ class EngineCore:
         if self.spec is not None:
             self.spec.on_step_done(sched, result, self.kv, sched.step)
         requests = self.scheduler.requests
+        for rid, (first, entries) in (result.prompt_logprobs or {}).items():
+            req = requests.get(rid)
+            if req is not None:  # positions 1.., kept once (a recompute scores them again)
+                have = req.prompt_logprobs = req.prompt_logprobs or []
+                if len(have) == first - 1:
+                    have.extend(entries)
         lps = result.logprobs
         tops = result.top_logprobs
         for i, rid in enumerate(result.request_ids):

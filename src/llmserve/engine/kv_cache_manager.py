@@ -94,6 +94,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return []
+        if request.sampling_params.prompt_logprobs is not None:
+            return []  # every prompt position must be computed to score it
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_upto(request, max_blocks * self.block_size)
         hits: list[KVBlock] = []

@@ -39,7 +39,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
         "stop_reason", "block_hashes", "num_preemptions", "last_preempted_step",
         "metrics", "eos_token_ids", "max_total_tokens", "deadline", "queue_deadline",
-        "parent_id", "index", "spec_token_ids", "spec_state",
+        "parent_id", "index", "spec_token_ids", "spec_state", "prompt_logprobs",
     )
 
     def __init__(
@@ -92,6 +92,8 @@ class Request:
         # engine/spec_decode.py (None until the request speculates or brings a prediction)
         self.spec_token_ids: list[int] = []
         self.spec_state: object = None
+        #: (logprob, top) of prompt tokens 1.. (prompt_logprobs requests), filled by steps
+        self.prompt_logprobs: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:

@@ -143,7 +143,7 @@ class SpeculativeDecoder:
         predicted: list[Request] = []
         predicted_k: list[int] = []
         for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1:
+            if req.num_tokens - req.num_computed_tokens != 1 or _constrained(req):
                 continue
             state = req.spec_state
             if state is None:
@@ -226,3 +226,10 @@ class SpeculativeDecoder:
             state.ema = _FULL_K_ACCEPTANCE / 2   # resume carefully: a short draft
         elif rate >= 0.5:
             state.backoff = max(_MIN_BACKOFF, state.backoff // 2)
+
+
+def _constrained(req: Request) -> bool:
+    """Requests under a grammar or with logit_bias do not speculate: the verifier scores
+    drafts with the unadjusted distribution, so their drafts could break the constraint."""
+    p = req.sampling_params
+    return p.structured_output is not None or bool(p.logit_bias)

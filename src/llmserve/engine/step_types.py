@@ -49,6 +49,9 @@ class StepInput:
     num_samples: list[int] = field(default_factory=list)
     sampling: list[Optional[SequenceSampling]] = field(default_factory=list)  # None: no sample
     finished_request_ids: list[str] = field(default_factory=list)  # state the runner may drop
+    #: request id -> (top-k, target ids): score these prompt tokens (prompt_logprobs); target
+    #: j is the prompt token after this step's token j, so it may cover fewer positions
+    prompt_logprob_targets: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     def add(self, request_id: str, token_ids: Sequence[int], start: int, block_table: list[int],
             num_samples: int, sampling: Optional[SequenceSampling]) -> None:
@@ -91,9 +94,12 @@ class StepInput:
         for n in self.num_new_tokens:
             offsets.append(offsets[-1] + n)
         for i in indices:
-            out.add(self.request_ids[i], self.token_ids[offsets[i]:offsets[i + 1]],
+            rid = self.request_ids[i]
+            out.add(rid, self.token_ids[offsets[i]:offsets[i + 1]],
                     self.start_positions[i], self.block_tables[i], self.num_samples[i],
                     self.sampling[i])
+            if rid in self.prompt_logprob_targets:
+                out.prompt_logprob_targets[rid] = self.prompt_logprob_targets[rid]
         return out
 
 
@@ -109,6 +115,9 @@ class StepOutput:
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: Optional[list[list[float]]] = None
     top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
+    #: request id -> (first position scored, [(logprob, [(token, logprob) top-k])]), for
+    #: the StepInput's prompt_logprob_targets
+    prompt_logprobs: Optional[dict[str, tuple[int, list]]] = None
     # tests only (runner capture switches): tensors, typed loosely to keep this module torch-free
     logits: object = None
     all_logits: Optional[dict] = None

@@ -23,8 +23,10 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.loader import CheckpointSource
+from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.models.llama import LlamaForCausalLM
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
+from llmserve.model.prompt_logprobs import score_prompt_tokens
 from llmserve.model.quant import describe_quantization, select_linear_method
 from llmserve.model.sampler import Sampler, SamplingBatch
 from llmserve.model.spec_verifier import verify_drafts
@@ -75,6 +77,7 @@ class ModelRunner:
         self.sample_vocab_size = sample_vocab_size or mc.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
+        self.adjuster = LogitsAdjuster(self.device)   # logit_bias and grammar masks
         self.capture_logits = False       # tests: keep the sampled rows' logits
         self.capture_all_logits = False   # tests: logits of every scheduled token
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else env_flag(
@@ -105,6 +108,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator)."""
         self.generators.pop(request_id, None)
+        self.adjuster.release(request_id)
 
     # ---- one step -------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepOutput:
@@ -114,7 +118,7 @@ class ModelRunner:
             self.release(rid)
         order = self._order(step)
         compiled = (self.compiled is not None and not self.capture_all_logits
-                    and step.is_decode_only and self.compiled.accepts(step.num_seqs))
+                    and not step.prompt_logprob_targets and step.is_decode_only and self.compiled.accepts(step.num_seqs))
         pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
         staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
         logits_all = None
@@ -134,7 +138,11 @@ class ModelRunner:
                 if self.capture_all_logits:
                     logits_all = self.model.compute_logits(hidden)
                 logits = None
-            return self._sample(step, order, staged, hidden, logits, logits_all)
+            out = self._sample(step, order, staged, hidden, logits, logits_all)
+            if step.prompt_logprob_targets:
+                out.prompt_logprobs = score_prompt_tokens(self.model, hidden, staged.row_starts,
+                                                          order, step)
+            return out
 
     def _order(self, step: StepInput) -> list[int]:
         """Sequence indices decodes first, then by (chunk length, table width) buckets."""
@@ -146,12 +154,7 @@ class ModelRunner:
     def _sample(self, step: StepInput, order: list[int], staged, hidden: Optional[torch.Tensor],
                 logits: Optional[torch.Tensor], logits_all: Optional[torch.Tensor]) -> StepOutput:
         out = StepOutput()
-        dev = self.device
-        sampled, last_rows = [], []
-        for pos, i in enumerate(order):
-            if step.num_samples[i]:
-                sampled.append(i)
-                last_rows.append(staged.row_starts[pos] + step.num_new_tokens[i] - 1)
+        sampled = [i for i in order if step.num_samples[i]]
         if logits_all is not None:
             out.all_logits = {}
             for pos, i in enumerate(order):
@@ -161,8 +164,24 @@ class ModelRunner:
         if not sampled:
             return out
         if any(step.num_samples[i] != 1 for i in sampled):  # speculative drafts to verify
-            return self._verify(step, order, staged, hidden, logits_all, sampled, out)
+            # rows with logit_bias or a grammar never carry drafts (the engine does not
+            # propose for them); they take the sampler's path, which applies both
+            adjusted = [i for i in sampled if LogitsAdjuster.wants(step.sampling[i].params)]
+            if not adjusted:
+                return self._verify(step, order, staged, hidden, logits_all, sampled, out)
+            rest = [i for i in sampled if i not in set(adjusted)]
+            verified = self._verify(step, order, staged, hidden, logits_all, rest, StepOutput())
+            return _concat(verified, self._sample_rows(step, order, staged, hidden, None,
+                                                       logits_all, adjusted, out))
+        return self._sample_rows(step, order, staged, hidden, logits, logits_all, sampled, out)
+
+    def _sample_rows(self, step: StepInput, order: list[int], staged, hidden, logits,
+                     logits_all, sampled: list[int], out: StepOutput) -> StepOutput:
+        """Sample one token for each of the ``sampled`` sequences (one position each)."""
+        dev = self.device
         if logits is None:
+            row_start = {i: staged.row_starts[pos] for pos, i in enumerate(order)}
+            last_rows = [row_start[i] + step.num_new_tokens[i] - 1 for i in sampled]
             rows = torch.tensor(last_rows, device=dev)
             logits = (logits_all[rows] if logits_all is not None
                       else self.model.compute_logits(hidden.index_select(0, rows)))
@@ -181,6 +200,7 @@ class ModelRunner:
         batch = SamplingBatch.build([s.params for s in samp], [s.prompt_token_ids for s in samp],
                                     [s.output_token_ids for s in samp], gens, logits.shape[-1],
                                     dev, self.eos_token_ids)
+        self.adjuster.attach(batch, samp, out.request_ids)
         result = self.sampler(logits, batch)
         out.token_ids = [[t] for t in result.token_ids]
         if result.logprobs is not None:
@@ -221,12 +241,32 @@ class ModelRunner:
         return gen
 
 
+def _concat(a: StepOutput, b: StepOutput) -> StepOutput:
+    """``b`` (which keeps its captures) with the sequences of ``a`` put first; logprobs
+    are None for the sequences of a part that has none."""
+    def lists(o: StepOutput, field: str, n: int) -> list:
+        v = getattr(o, field)
+        return v if v is not None else [None] * n
+    na, nb = len(a.request_ids), len(b.request_ids)
+    out = b
+    for field in ("logprobs", "top_logprobs"):
+        if getattr(a, field) is not None or getattr(b, field) is not None:
+            setattr(out, field, lists(a, field, na) + lists(b, field, nb))
+    out.request_ids = a.request_ids + b.request_ids
+    out.token_ids = a.token_ids + b.token_ids
+    if a.logits is not None and b.logits is not None:
+        out.logits = torch.cat([a.logits, b.logits])
+    return out
+
+
 def _plain_greedy(s) -> bool:
-    """Greedy with nothing that changes or reports logits (penalties, masks, logprobs)."""
+    """Greedy with nothing that changes or reports logits (penalties, masks, logit_bias,
+    grammars, logprobs)."""
     p = s.params
     return (p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens))
+            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens)
+            and not LogitsAdjuster.wants(p))
 
 
 def _argmax_tokens(logits: torch.Tensor) -> list[int]:

@@ -22,6 +22,7 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
+from llmserve.model.logits_processors import apply_logit_bias_, apply_token_bitmask_
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class SamplingBatch:
     max_limited_k: int                 # largest top_k < vocab_size among sampled rows (0: none)
     any_unlimited_top_p: bool          # a sampled row uses top-p without top-k
     max_logprobs: int                  # -1 when no row wants logprobs
+    # set after build by model.logits_processors.LogitsAdjuster (None: no row asks)
+    bias_index: Optional[torch.Tensor] = None     # [K] int64 flat row * vocab + token
+    bias_value: Optional[torch.Tensor] = None     # [K] float32 logit_bias values
+    token_bitmask: Optional[torch.Tensor] = None  # [B, ceil(V/32)] int32 grammar masks
 
     @property
     def batch_size(self) -> int:
@@ -332,11 +337,17 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Penalties and the min_tokens mask (steps 1-2), as float32; `logits` is not modified."""
-        if not batch.needs_penalties and batch.banned_index is None:
+        """Penalties, logit_bias, grammar masks and the min_tokens mask (steps 1-2), as
+        float32; `logits` is not modified."""
+        if not batch.needs_penalties and batch.banned_index is None and \
+                batch.bias_index is None and batch.token_bitmask is None:
             return logits.float()
         x = logits.float() if logits.dtype != torch.float32 else logits.clone()
         apply_penalties_(x, batch)
+        if batch.bias_index is not None:
+            apply_logit_bias_(x, batch.bias_index, batch.bias_value)
+        if batch.token_bitmask is not None:
+            apply_token_bitmask_(x, batch.token_bitmask)
         apply_min_tokens_mask_(x, batch)
         return x
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 _CLOSED = ConfigDict(extra="forbid")
 
 #: finish_reason as sent: the engine's reasons mapped to OpenAI's (responses.py).
-FinishReasonOut = Optional[Literal["stop", "length"]]
+FinishReasonOut = Optional[Literal["stop", "length", "tool_calls"]]
 #: the stop string or stop token id that ended a choice (vLLM's extension).
 StopReason = Union[str, int, None]
 
@@ -72,10 +72,27 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    model_config = _CLOSED
+    name: str
+    arguments: str      # JSON text
+
+
+class ToolCall(BaseModel):
+    model_config = _CLOSED
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """``content`` is null when the message only calls tools; ``refusal`` is always null."""
+
     model_config = _CLOSED
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]
+    refusal: None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -103,10 +120,28 @@ class ChatCompletion(_Header):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    model_config = _CLOSED
+    name: Optional[str] = None
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: first ``index``, ``id``, ``type``, ``function.name`` with empty
+    ``arguments``, then ``index`` and the ``arguments`` text."""
+
+    model_config = _CLOSED
+    index: int = Field(ge=0)
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     model_config = _CLOSED
     role: Literal["assistant"] = "assistant"
     content: str = ""
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -131,8 +166,8 @@ class ChatCompletionChunk(_Header):
 class CompletionLogprobs(BaseModel):
     model_config = _CLOSED
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[Optional[float]]        # echo: null for the first prompt token
+    top_logprobs: list[Optional[dict[str, float]]]
     text_offset: list[int]
 
 

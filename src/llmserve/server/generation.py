@@ -113,6 +113,8 @@ class GenerationRun:
         self.n = params.n
         self.choices = [ChoiceState(i) for i in range(len(prompts) * self.n)]
         self.prompt_tokens = [len(p) for p in prompts]
+        #: per prompt: its token logprobs (prompt_logprobs / echo requests), once they arrive
+        self.prompt_logprobs: list[Optional[list]] = [None] * len(prompts)
         self.cached_tokens = [0] * len(prompts)
         self.unfinished = set(range(len(prompts)))
         #: per prompt: the engine scheduled it (True), never did (False), unknown (None)
@@ -271,6 +273,8 @@ class GenerationRun:
             changed.append(ChoiceDelta(state.index, c.text, c.logprobs,
                                        state.finish_reason if c.finish_reason else None,
                                        c.stop_reason, offset, new_tokens))
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_idx] = out.prompt_logprobs
         if out.finished:
             self.unfinished.discard(prompt_idx)
             self.cached_tokens[prompt_idx] = out.num_cached_tokens or 0

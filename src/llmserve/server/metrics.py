@@ -149,6 +149,25 @@ class EngineStatsCollector(Collector):
         yield ("counter", "llmserve_spec_accepted_tokens",
                "Speculative draft tokens the target model accepted",
                getattr(s, "spec_accepted_tokens_total", 0))
+        yield ("counter", "llmserve_grammar_mask_seconds",
+               "Structured outputs: time spent bringing grammars up to date and computing the "
+               "token bitmasks of constrained rows (per step, on the engine thread)",
+               getattr(s, "grammar_mask_seconds_total", 0.0))
+        yield ("counter", "llmserve_grammar_mask_steps",
+               "Engine steps that computed at least one grammar bitmask",
+               getattr(s, "grammar_mask_steps_total", 0))
+        yield ("counter", "llmserve_grammar_mask_rows",
+               "Grammar bitmasks computed (one per constrained sequence per step)",
+               getattr(s, "grammar_mask_rows_total", 0))
+        yield ("counter", "llmserve_grammar_compile_seconds",
+               "Time compiling grammars (JSON schemas, regexes ...), off the engine thread",
+               getattr(s, "grammar_compile_seconds_total", 0.0))
+        yield ("counter", "llmserve_grammar_cache_hits",
+               "Structured-output requests whose grammar was already compiled",
+               getattr(s, "grammar_cache_hits", 0))
+        yield ("counter", "llmserve_grammar_cache_misses",
+               "Structured-output requests whose grammar had to be compiled",
+               getattr(s, "grammar_cache_misses", 0))
         yield ("gauge", "llmserve_kv_cache_bytes_per_token",
                "KV-pool bytes per token slot: all layers, K and V, quantization scales included",
                getattr(s, "kv_bytes_per_token", 0))

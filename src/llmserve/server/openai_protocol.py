@@ -7,16 +7,16 @@ Validation policy:
     that names the field (``code: "unknown_parameter"``) -- silently ignoring a
     misspelled ``max_token`` would return something the caller did not ask for;
   * every variable-size input is bounded (``llmserve.server.limits``);
-  * a few OpenAI fields we cannot honour are accepted only with their neutral value
-    (``logit_bias: {}``, ``response_format: {"type": "text"}``, ``tools: []``,
-    ``tool_choice: "none"``, ``echo: false``, ``best_of`` equal to ``n``, ``suffix: null``);
-    any other value is a 400 naming the field.
+  * fields that have no meaning here are accepted and ignored (``store``, ``metadata``,
+    ``service_tier``, ``user``, ``modalities: ["text"]``); a field that would change the
+    output if honoured and cannot be is a 400 naming it (``modalities`` with audio,
+    ``suffix`` without fill-in-the-middle tokens, see docs/STRUCTURED_OUTPUTS.md).
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from llmserve.protocol import priority_value
 from llmserve.sampling_params import SamplingParams
@@ -24,6 +24,9 @@ from llmserve.server.errors import OpenAIError, bad_request, validation_error_to
     value_error_to_openai
 from llmserve.server.limits import (DEFAULT_LIMITS, MAX_CHOICES_PER_REQUEST, RequestLimits,
                                     check_limits)
+from llmserve.server.structured_request import request_spec
+from llmserve.server.tool_calls import (check_message_tool_calls, check_tool_choice,
+                                        check_tools, tool_call_spec)
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -33,7 +36,7 @@ FIELD_HINTS = {
     "stop": "a string or an array of strings",
     "priority": "an integer or one of 'interactive', 'default', 'batch'",
     "content": "a string or an array of content parts",
-    "tool_choice": "'none'",
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
 }
 
 
@@ -62,7 +65,13 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
+    # Accepted and ignored (no meaning for a self-hosted engine; logged at debug level).
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
     # Extensions (vLLM-compatible names).
+    structured_outputs: Optional[dict[str, Any]] = None
+    _output_spec: Any = PrivateAttr(default=None)   # set by check(): the output constraint
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -75,8 +84,6 @@ class _SamplingFields(BaseModel):
 
     def check_common(self) -> None:
         """Checks that pydantic types cannot express; raises OpenAIError (400)."""
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -85,6 +92,11 @@ class _SamplingFields(BaseModel):
                 priority_value(self.priority)
             except ValueError as exc:
                 raise bad_request(str(exc), param="priority") from None
+
+    @property
+    def output_spec(self) -> Any:
+        """The StructuredOutputSpec the output must follow (None: unconstrained)."""
+        return self._output_spec
 
     @property
     def include_usage(self) -> bool:
@@ -96,7 +108,21 @@ class _SamplingFields(BaseModel):
                  "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos",
                  "min_tokens", "stop_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.logit_bias:
+            kwargs["logit_bias"] = logit_bias_ids(self.logit_bias)
+        return kwargs
+
+
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``{"token id as a string": bias}`` as ints; a non-integer key is a 400."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (strings of digits), got "
+                              f"{key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 class ContentPart(BaseModel):
@@ -122,17 +148,20 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns that called tools
+    tool_call_id: Optional[str] = None                  # role "tool": the call answered
+    refusal: Optional[str] = None                       # assistant turns fed back: ignored
 
     def to_template_dict(self, index: int) -> dict[str, Any]:
         """The dict handed to the chat template; content parts are joined with newlines."""
         if self.role not in CHAT_ROLES:
             raise bad_request(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)};"
                               f" got {self.role!r}", param=f"messages[{index}].role")
-        if self.content is None:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise bad_request(f"messages[{index}].content is required",
                               param=f"messages[{index}].content")
-        if isinstance(self.content, str):
-            text = self.content
+        if self.content is None or isinstance(self.content, str):
+            text = self.content or ""
         else:
             pieces = []
             for j, part in enumerate(self.content):
@@ -149,6 +178,10 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = check_message_tool_calls(self.tool_calls, index)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -164,6 +197,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     prediction: Optional[dict[str, Any]] = None   # Predicted Outputs (docs/SPECULATIVE.md)
+    modalities: Optional[list[str]] = None
+    _tools: list = PrivateAttr(default_factory=list)
+    _tool_choice: Any = PrivateAttr(default="none")
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""
@@ -171,15 +207,29 @@ class ChatCompletionRequest(_SamplingFields):
         _ = self.prediction_text   # validates the prediction
         if not self.messages:
             raise bad_request("messages must be a non-empty array", param="messages")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", param="tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise bad_request("only response_format {'type': 'text'} is supported",
-                              param="response_format")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise bad_request("only modalities ['text'] is supported", param="modalities")
+        self._tools = check_tools(self.tools)
+        self._tool_choice = check_tool_choice(self.tool_choice, self._tools)
+        tool_spec = tool_call_spec(self._tools, self._tool_choice,
+                                   self.parallel_tool_calls is not False)
+        spec = request_spec(self.response_format, self.structured_outputs)
+        if tool_spec is not None and spec is not None:
+            raise bad_request("a required or named tool_choice cannot be combined with "
+                              "response_format or structured_outputs", param="tool_choice")
+        self._output_spec = tool_spec or spec
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    @property
+    def checked_tools(self) -> list[dict[str, Any]]:
+        """The validated tools (empty without tools)."""
+        return self._tools
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is read for tool calls (tools given, tool_choice not none)."""
+        return bool(self._tools) and self._tool_choice != "none"
 
     @property
     def requested_max_tokens(self) -> tuple[Optional[int], str]:
@@ -222,6 +272,7 @@ class CompletionRequest(_SamplingFields):
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = None   # vLLM's extension: logprobs of the prompt tokens
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""
@@ -229,16 +280,36 @@ class CompletionRequest(_SamplingFields):
         if self.prompt is None:
             raise bad_request("Missing required parameter: 'prompt'", param="prompt",
                               code="missing_required_parameter")
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if self.suffix is not None:
-            raise bad_request("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise bad_request("best_of different from n is not supported", param="best_of")
+        n = self.n or 1
+        if self.best_of is not None:
+            if self.best_of < n:
+                raise bad_request(f"best_of ({self.best_of}) must be at least n ({n})",
+                                  param="best_of")
+            if self.best_of > n and self.stream:
+                raise bad_request("best_of greater than n cannot be streamed", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens 0 is only allowed with echo", param="max_tokens")
+        self._output_spec = request_spec(None, self.structured_outputs)
+
+    @property
+    def num_candidates(self) -> int:
+        """Completions generated per prompt: best_of when given, else n."""
+        return self.best_of or self.n or 1
+
+    @property
+    def wants_prompt_logprobs(self) -> Optional[int]:
+        """Top alternatives per prompt token to compute (None: prompt logprobs not needed):
+        ``echo`` with ``logprobs``, or the ``prompt_logprobs`` extension."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
     @property
     def requested_max_tokens(self) -> tuple[Optional[int], str]:
-        """(value, field name); the legacy completions default is 16 tokens."""
+        """(value, field name); the legacy completions default is 16 tokens. max_tokens 0
+        (echo only: score the prompt) generates one token that is not returned."""
+        if self.max_tokens == 0:
+            return 1, "max_tokens"
         return (16 if self.max_tokens is None else self.max_tokens), "max_tokens"
 
     def prompt_list(self) -> list[Union[str, list[int]]]:
@@ -291,6 +362,12 @@ def make_sampling_params(
     kwargs = req.sampling_kwargs()
     kwargs["max_tokens"] = max_tokens
     kwargs["logprobs"] = logprobs
+    kwargs["structured_output"] = req.output_spec
+    if isinstance(req, CompletionRequest):
+        kwargs["n"] = req.num_candidates
+        kwargs["prompt_logprobs"] = req.wants_prompt_logprobs
+        if req.num_candidates > (req.n or 1) and logprobs is None:
+            kwargs["logprobs"] = 0   # best_of ranks candidates by their sampled tokens' logprobs
     n = kwargs.get("n", 1)
     if isinstance(n, int) and n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"n must be at most {MAX_CHOICES_PER_REQUEST}, got {n}", param="n")

@@ -69,7 +69,12 @@ def _sampling(props: dict[str, Any], limits: RequestLimits, max_len: int) -> Non
     _tighten(props["stop_token_ids"], maxItems=limits.max_stop_token_ids,
              items={"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})
     _tighten(props["user"], maxLength=limits.max_name_chars)
-    _tighten(props["logit_bias"], maxProperties=0, description="only {} is accepted")
+    _tighten(props["logit_bias"], maxProperties=300, propertyNames={"pattern": "^[0-9]+$"},
+             additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+             description="token id (a string of digits, within the vocabulary) -> bias")
+    _tighten(props["structured_outputs"], description=(
+        "exactly one of json (a JSON Schema), regex, choice (strings), grammar (Lark or "
+        "GBNF) or json_object: true; unsupported schema features are a 400"))
     props["priority"]["anyOf"][0].update(minimum=-PRIORITY_LIMIT, maximum=PRIORITY_LIMIT)
     props["priority"]["anyOf"][1]["enum"] = sorted(PRIORITY_CLASSES)
 
@@ -87,12 +92,27 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
     _tighten(chat["top_logprobs"], minimum=0, maximum=20)
     chat["messages"].update(minItems=1, maxItems=limits.max_messages)
     defs["ChatCompletionRequest"]["required"] = ["messages"]
-    _tighten(chat["tools"], maxItems=0)
-    _tighten(chat["tool_choice"], enum=["none"])
-    chat["tool_choice"]["anyOf"] = [b for b in chat["tool_choice"]["anyOf"]
-                                    if b.get("type") != "object"]
-    _tighten(chat["response_format"], properties={"type": {"const": "text"}},
-             required=["type"], additionalProperties=False)
+    function = {"type": "object", "additionalProperties": False, "required": ["name"],
+                "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                               "description": {"type": "string"},
+                               "parameters": {"type": "object"},
+                               "strict": {"type": "boolean"}}}
+    _tighten(chat["tools"], items={
+        "type": "object", "additionalProperties": False, "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function}},
+        description="function names must be distinct")
+    for branch in chat["tool_choice"]["anyOf"]:
+        if branch.get("type") == "string":
+            branch["enum"] = ["none", "auto", "required"]
+        elif branch.get("type") == "object":
+            branch.update(description="{'type': 'function', 'function': {'name': ...}}, a "
+                                      "function of tools")
+    _tighten(chat["response_format"], required=["type"], description=(
+        "{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
+        "{'name', 'schema', 'strict'?, 'description'?}}"),
+        properties={"type": {"enum": ["text", "json_object", "json_schema"]},
+                    "json_schema": {"type": "object"}}, additionalProperties=False)
+    _tighten(chat["modalities"], items={"const": "text"}, minItems=1, maxItems=1)
     message = defs["ChatMessage"]["properties"]
     message["role"]["enum"] = list(CHAT_ROLES)
     defs["ChatMessage"]["required"] = ["role", "content"]
@@ -115,10 +135,12 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
         {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
          "items": {"type": "array", "minItems": 1, "maxItems": max_model_len, "items": token}}]
     defs["CompletionRequest"]["required"] = ["prompt"]
-    _tighten(comp["echo"], const=False)
-    comp["suffix"] = {"type": "null", "default": None}
+    _tighten(comp["suffix"], description="only for tokenizers with fill-in-the-middle tokens "
+                                         "(<fim_prefix>, <fim_suffix>, <fim_middle>)")
     _tighten(comp["best_of"], minimum=1, maximum=MAX_CHOICES_PER_REQUEST,
-             description="must equal n")
+             description="at least n; not with stream")
+    _tighten(comp["prompt_logprobs"], minimum=0, maximum=20)
+    _tighten(comp["max_tokens"], minimum=0, description="0 only with echo (score the prompt)")
     return defs
 
 

@@ -76,10 +76,10 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
     """The legacy completions ``logprobs`` object; offsets count characters of the output."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
-    for e in entries:
+    for e in entries:   # a null logprob (echo's first prompt token) has null alternatives
         tokens.append(e.token)
         token_logprobs.append(e.logprob)
-        tops.append({t.token: t.logprob for t in e.top_logprobs})
+        tops.append(None if e.logprob is None else {t.token: t.logprob for t in e.top_logprobs})
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
@@ -116,7 +116,7 @@ def chat_choice(index: int, text: str, finish_reason: Optional[str],
     """One choice of a non-streamed chat completion."""
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": {"role": "assistant", "content": text, "refusal": None},
         "logprobs": chat_logprobs(logprobs or []) if want_logprobs else None,
         "finish_reason": openai_finish_reason(finish_reason),
         "stop_reason": stop_reason,

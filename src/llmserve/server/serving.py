@@ -33,7 +33,9 @@ from llmserve.server.metrics import RequestTimer, ServerMetrics
 from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatCompletionRequest,
                                              CompletionRequest, make_sampling_params,
                                              parse_request)
+from llmserve.server.response_shaping import ResponseOptions, fim_prompt
 from llmserve.server.responses import ResponseHeader
+from llmserve.server.tool_calls import prepare_messages
 from llmserve.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect
 from llmserve.server.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
 
@@ -146,16 +148,25 @@ class OpenAIServing:
                               param="model", code="model_not_found")
         return requested
 
-    def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]]) -> list[int]:
+    def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]],
+                     tools: Optional[list[dict]] = None) -> list[int]:
         tok = engine.tokenizer
+        messages, tools = prepare_messages(messages, tools or [],
+                                           getattr(tok, "chat_template", None))
+        extra = {"tools": tools} if tools else {}
         encode_chat = getattr(tok, "encode_chat", None)
         if encode_chat is not None:  # message text is never parsed for special tokens
-            return list(encode_chat(messages, add_generation_prompt=True))
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return list(encode_chat(messages, add_generation_prompt=True, **extra))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
         return list(tok.encode(text, add_special_tokens=False))
 
-    def _text_prompts(self, engine: Any, prompts: list[Union[str, list[int]]]) -> list[list[int]]:
+    def _text_prompts(self, engine: Any, prompts: list[Union[str, list[int]]],
+                      suffix: Optional[str] = None) -> list[list[int]]:
         tok = engine.tokenizer
+        if suffix is not None:  # fill-in-the-middle (a 400 without FIM tokens)
+            if not all(isinstance(p, str) for p in prompts):
+                raise bad_request("suffix needs text prompts", param="suffix")
+            return [fim_prompt(tok, p, suffix) for p in prompts]  # type: ignore[arg-type]
         vocab = getattr(tok, "vocab_size", None)
         if not isinstance(vocab, int) and hasattr(tok, "__len__"):
             vocab = len(tok)
@@ -299,12 +310,14 @@ class OpenAIServing:
         if chat:
             messages = [m.to_template_dict(i) for i, m in enumerate(req.messages)]
             try:
-                prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages)]
+                prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages,
+                                                 req.checked_tools)]
             except ValueError as exc:
                 raise bad_request(f"Invalid messages: {exc}", param="messages") from None
             what = "messages"
         else:
-            prompts = await self._in_thread(ctx, self._text_prompts, engine, req.prompt_list())
+            prompts = await self._in_thread(ctx, self._text_prompts, engine, req.prompt_list(),
+                                            req.suffix)
             what = "prompt"
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         ctx.longest_prompt_tokens = max((len(p) for p in prompts), default=0)
@@ -333,13 +346,17 @@ class OpenAIServing:
                             prediction=req.prediction_text if chat else None)
         prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        opts = ResponseOptions.from_request(req, chat, [
+            p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
+            for p in req.prompt_list()] if not chat and req.echo else [], engine.tokenizer)
         header = ResponseHeader(f"{prefix}-{ctx.request_id}",
                                 obj + ".chunk" if chat and req.stream else obj,
                                 int(time.time()), served, engine.fingerprint)
         headers = {SERVED_BY_HEADER: served}
         if req.stream:
             events = stream_events(run, header, chat=chat, include_usage=req.include_usage,
-                                   want_logprobs=want_logprobs, capture=ctx.capture_response)
+                                   want_logprobs=want_logprobs, capture=ctx.capture_response,
+                                   opts=opts)
             return EventStreamResponse(events, headers=headers,
                                        on_close=lambda: run.finish("aborted"))
         try:
@@ -348,7 +365,7 @@ class OpenAIServing:
             partial = None
             if ctx.capture_response:  # what the client would have got, cut short
                 partial = CapturedResponse(200, {"Content-Type": "application/json", **headers},
-                                           body=self._body(run, header, chat, want_logprobs,
+                                           body=self._body(run, header, chat, opts,
                                                            aborted=True))
             await run.finish("aborted", response=partial)
             raise
@@ -361,18 +378,17 @@ class OpenAIServing:
             await run.finish("error", err.message,
                              CapturedResponse(err.status, dict(err.headers), body=err.body()))
             raise err
-        body = self._body(run, header, chat, want_logprobs)
+        body = self._body(run, header, chat, opts)
         await run.finish("completed", None,
                          CapturedResponse(200, {"Content-Type": "application/json", **headers},
                                           body=body))
         return JSONResponse(body, headers=headers)
 
     @staticmethod
-    def _body(run: GenerationRun, header: ResponseHeader, chat: bool, want_logprobs: bool,
+    def _body(run: GenerationRun, header: ResponseHeader, chat: bool, opts: ResponseOptions,
               aborted: bool = False) -> dict[str, Any]:
         """The JSON body; ``aborted``: unfinished choices get finish_reason ``"abort"``."""
-        body = chat_body(run, header, want_logprobs) if chat else completion_body(
-            run, header, want_logprobs)
+        body = chat_body(run, header, opts) if chat else completion_body(run, header, opts)
         if aborted:
             for choice, state in zip(body["choices"], run.choices):
                 if state.finish_reason is None:

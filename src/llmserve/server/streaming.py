@@ -22,8 +22,10 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from llmserve.server.errors import OpenAIError, error_body
 from llmserve.server.gateway_hook import CapturedResponse
 from llmserve.server.generation import ChoiceDelta, GenerationRun
-from llmserve.server.responses import (ResponseHeader, chat_choice, chat_chunk_choice,
-                                       completion_choice)
+from llmserve.server.response_shaping import (ResponseOptions, chat_choices,
+                                              completion_choices)
+from llmserve.server.responses import ResponseHeader, chat_chunk_choice, completion_choice
+from llmserve.server.tool_calls import ToolCallStreamer
 from llmserve.server.sse import SSE_DONE, encode_event
 
 logger = logging.getLogger(__name__)
@@ -36,24 +38,50 @@ SERVED_BY_HEADER = "X-Served-By"
 ABORT_FINISH_REASON = "abort"
 
 
-def _chat_chunks(want_logprobs: bool) -> ChunkMaker:
+def _chat_chunks(opts: ResponseOptions) -> ChunkMaker:
+    want_logprobs = opts.want_logprobs
+    streamers: dict[int, ToolCallStreamer] = {}
+
     def make(d: ChoiceDelta) -> list[dict[str, Any]]:
         out = []
-        if d.text or (want_logprobs and d.logprobs):
-            out.append(chat_chunk_choice(d.index, {"content": d.text}, None, d.logprobs,
+        text, calls = d.text, []
+        if opts.tools:
+            streamer = streamers.setdefault(d.index, ToolCallStreamer(opts.tools))
+            text, calls = streamer.feed(d.text, final=d.finish_reason is not None)
+        if text or (want_logprobs and d.logprobs):
+            out.append(chat_chunk_choice(d.index, {"content": text}, None, d.logprobs,
                                          want_logprobs))
+        out.extend(chat_chunk_choice(d.index, {"tool_calls": [c]}) for c in calls)
         if d.finish_reason is not None:
-            out.append(chat_chunk_choice(d.index, {}, d.finish_reason, stop_reason=d.stop_reason))
+            last = chat_chunk_choice(d.index, {}, d.finish_reason, stop_reason=d.stop_reason)
+            if d.index in streamers and streamers[d.index].num_calls and \
+                    last["finish_reason"] == "stop":
+                last["finish_reason"] = "tool_calls"
+            out.append(last)
         return out
     return make
 
 
-def _completion_chunks(want_logprobs: bool) -> ChunkMaker:
+def _completion_chunks(opts: ResponseOptions, run: GenerationRun) -> ChunkMaker:
+    want_logprobs = opts.want_logprobs
+    echoed: set[int] = set()
+
     def make(d: ChoiceDelta) -> list[dict[str, Any]]:
-        if d.text or d.finish_reason is not None or (want_logprobs and d.logprobs):
-            return [completion_choice(d.index, d.text, d.finish_reason, d.logprobs,
-                                      want_logprobs and bool(d.logprobs), d.text_offset,
-                                      d.stop_reason)]
+        text, logprobs, offset = d.text, d.logprobs, d.text_offset
+        if opts.drop_output:
+            text, logprobs = "", None
+        if opts.echo:
+            p = d.index // run.n
+            prefix = opts.prompt_texts[p]
+            offset += len(prefix)
+            if d.index not in echoed:
+                echoed.add(d.index)
+                text, offset = prefix + text, 0
+                logprobs = opts.echo_logprobs(run, p) + list(logprobs or [])
+        if text or d.finish_reason is not None or (want_logprobs and logprobs):
+            return [completion_choice(d.index, text, d.finish_reason, logprobs,
+                                      want_logprobs and bool(logprobs), offset,
+                                      None if opts.drop_output else d.stop_reason)]
         return []
     return make
 
@@ -120,7 +148,7 @@ def _abort_tail(log: _StreamLog, run: GenerationRun, *, chat: bool, started: boo
 
 async def stream_events(
     run: GenerationRun, header: ResponseHeader, *, chat: bool, include_usage: bool,
-    want_logprobs: bool, capture: bool = False,
+    want_logprobs: bool, capture: bool = False, opts: Optional[ResponseOptions] = None,
 ) -> AsyncIterator[bytes]:
     """The SSE byte stream of one request; always ends the run via ``run.finish``.
 
@@ -131,7 +159,8 @@ async def stream_events(
     """
     extra = {"usage": None} if include_usage else {}
     log = _StreamLog(header, extra, capture)
-    make = _chat_chunks(want_logprobs) if chat else _completion_chunks(want_logprobs)
+    opts = opts or ResponseOptions(want_logprobs=want_logprobs)
+    make = _chat_chunks(opts) if chat else _completion_chunks(opts, run)
     started = False
     pending: list[dict[str, Any]] = []
     status, error = "aborted", None
@@ -167,7 +196,7 @@ async def stream_events(
             if pending:
                 yield log.chunks(pending)
         if include_usage:
-            yield log.encode(header.body([], usage=run.usage().to_openai()))
+            yield log.encode(header.body([], usage=_usage(run, opts)))
         status = "completed"
         await run.finish(status, None, log.response(run.served_model), 200)
         yield SSE_DONE
@@ -206,16 +235,21 @@ async def stream_events(
             await run.finish(status, error, response, http_status)
 
 
-def chat_body(run: GenerationRun, header: ResponseHeader, want_logprobs: bool) -> dict[str, Any]:
+def _usage(run: GenerationRun, opts: ResponseOptions) -> dict[str, Any]:
+    usage = run.usage().to_openai()
+    if opts.drop_output:  # max_tokens 0: the token generated to end the request is not sent
+        usage["completion_tokens"] = 0
+        usage["total_tokens"] = usage["prompt_tokens"]
+    return usage
+
+
+def chat_body(run: GenerationRun, header: ResponseHeader,
+              opts: ResponseOptions) -> dict[str, Any]:
     """The non-streamed chat completion."""
-    choices = [chat_choice(c.index, c.text, c.finish_reason, c.logprobs, want_logprobs,
-                           c.stop_reason) for c in run.choices]
-    return header.body(choices, usage=run.usage().to_openai())
+    return header.body(chat_choices(run, opts), usage=_usage(run, opts))
 
 
 def completion_body(run: GenerationRun, header: ResponseHeader,
-                    want_logprobs: bool) -> dict[str, Any]:
+                    opts: ResponseOptions) -> dict[str, Any]:
     """The non-streamed text completion."""
-    choices = [completion_choice(c.index, c.text, c.finish_reason, c.logprobs, want_logprobs,
-                                 0, c.stop_reason) for c in run.choices]
-    return header.body(choices, usage=run.usage().to_openai())
+    return header.body(completion_choices(run, opts), usage=_usage(run, opts))

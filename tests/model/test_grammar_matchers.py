@@ -1,0 +1,67 @@
+"""Grammar state follows the committed tokens: rebuilt after a loss, rolled back, batched."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+
+from llmserve.structured_output import StructuredOutputSpec  # noqa: E402
+from llmserve.structured_output.compiler import GrammarCompiler  # noqa: E402
+from llmserve.structured_output.matchers import GrammarMatchers, bitmask_words  # noqa: E402
+from tests.model.tiny_checkpoints import default_tokenizer  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tok = default_tokenizer()
+    return GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+
+
+def masks(matchers, rows, vocab):
+    out = np.full((len(rows), bitmask_words(vocab)), -1, dtype=np.int32)
+    matchers.fill([(i, rid, g, toks) for i, (rid, g, toks) in enumerate(rows)], out)
+    return out
+
+
+def allowed(row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    return set(np.nonzero(bits)[0].tolist())
+
+
+def test_compile_is_cached_by_schema_hash(compiler):
+    a = compiler.compile(StructuredOutputSpec("json", SCHEMA))
+    b = compiler.compile(StructuredOutputSpec("json", json.loads(json.dumps(SCHEMA))))
+    assert a is b and compiler.hits >= 1
+
+
+def test_state_is_rebuilt_and_rolled_back_from_committed_tokens(compiler):
+    tok = default_tokenizer()
+    vocab = tok.vocab_size
+    grammar = compiler.compile(StructuredOutputSpec("json", SCHEMA))
+    text = tok.encode('{"a":12,"b":"x"}', add_special_tokens=False)
+    m = GrammarMatchers()
+    step_by_step = []
+    for n in range(len(text) + 1):   # one token committed per step, as the engine does
+        step_by_step.append(masks(m, [("r", grammar, text[:n])], vocab)[0].copy())
+    assert allowed(step_by_step[-1]) and allowed(step_by_step[-1]) <= set(tok.eos_token_ids)
+    assert len(allowed(step_by_step[0])) < 50   # '{' (and few spellings of it) only
+    m.release("r")   # state lost (e.g. dropped at preemption): rebuilt from the tokens
+    assert (masks(m, [("r", grammar, text[:5])], vocab)[0] == step_by_step[5]).all()
+    assert m.rebuilds_total == 1
+    assert (masks(m, [("r", grammar, text[:3])], vocab)[0] == step_by_step[3]).all()  # rollback
+    both = masks(m, [("r", grammar, text[:3]), ("s", grammar, text[:7])], vocab)
+    assert (both[0] == step_by_step[3]).all() and (both[1] == step_by_step[7]).all()
+    assert m.mask_rows_total >= len(text) + 4
+
+
+def test_unsupported_schema_feature_is_named(compiler):
+    from llmserve.structured_output.spec import UnsupportedGrammarError
+
+    with pytest.raises(UnsupportedGrammarError, match="uniqueItems"):
+        compiler.compile(StructuredOutputSpec("json", {"type": "array", "uniqueItems": True}))
