@@ -178,17 +178,19 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequen
     if scores is None or len(scores) < len(tokens):
         raise ValueError(f"{source!r}: a SentencePiece GGUF needs tokenizer.ggml.scores for every token")
     normal = {token for token, kind in zip(tokens, types) if kind == NORMAL}
-    ranked = []
-    for token in normal:
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in normal and right in normal:
-                ranked.append((-float(scores[vocab[token]]), vocab[token], left, right))
-    ranked.sort()
+    # Pieces from the highest score down (ties: lower id first); each adds every split of
+    # itself into two pieces, so a merge's rank is its result's rank.
+    order = sorted((i for i, kind in enumerate(types) if kind == NORMAL),
+                   key=lambda i: (-float(scores[i]), i))
+    merges = []
+    for index in order:
+        token = tokens[index]
+        merges.extend((token[:cut], token[cut:]) for cut in range(1, len(token))
+                      if token[:cut] in normal and token[cut:] in normal)
     unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
     unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None
-    backend = BackendTokenizer(models.BPE(vocab, [(left, right) for *_, left, right in ranked],
-                                          unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend = BackendTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
+                                          byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Prepend(_SPACE)] if prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
