@@ -59,6 +59,8 @@ _DEEPSEEK_LLM_LATIN = (
     "\U000118a0-\U000118df\U0001e900-\U0001e943]+"
 )
 _DEEPSEEK_LLM_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
+_YOUTU_CJK = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a"
+              "\uff1b\uff0c\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _KANA_HAN)
 _AFMOE_ASIAN = ("[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f"
                 "\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f"
                 "\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+")
@@ -109,6 +111,14 @@ _RULES: dict[str, SplitRule] = {
                         _AFMOE_ASIAN, _PUNCT_WORD)),
     "exaone-moe": SplitRule((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+"
                              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",)),
+    "spark2-5": SplitRule((r"\p{N}{1,3}", _KANA_HAN, _PUNCT_WORD.replace(
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|", r"| ?[\p{P}\p{S}]+|[\r\n]|"), r"\p{N}")),
+    "youtu": SplitRule((_YOUTU_CJK, _CASED_WORD.replace("<c>", _CONTRACTIONS + "?")
+                        + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+                       ignore_merges=True),
+    "laguna": SplitRule((r"[^\n]+|[\n]+", _QWEN2)),
+    "ufakzeka": SplitRule((_QWEN2[len(_CONTRACTIONS) + 1:],)),
+    "granite-embed-multi": SplitRule((_GPT4O,), ignore_merges=True),
     "minicpm5": SplitRule((r"\p{N}{1,3}", _QWEN2.replace(r"|\p{N}|", r"|\p{N}+|")),
                           ignore_merges=True),
 }
@@ -147,6 +157,11 @@ PRE_TOKENIZER_NAMES: dict[str, str] = {
     "afmoe": "afmoe",
     "exaone-moe": "exaone-moe",
     "minicpm5": "minicpm5",
+    "spark2_5": "spark2-5",
+    "youtu": "youtu",
+    "laguna": "laguna",
+    "ufakzeka": "ufakzeka",
+    "granite-embed-multi-97m": "granite-embed-multi",
 }
 
 

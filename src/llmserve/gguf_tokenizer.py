@@ -86,7 +86,10 @@ def build_gguf_tokenizer(meta: Mapping[str, Any], source: str) -> GGUFTokenizerP
     if len(types) != len(tokens):
         raise ValueError(f"{source!r}: {len(types)} token types for {len(tokens)} tokens")
     if kind == "gpt2":
-        rule = split_rule_for(meta.get("tokenizer.ggml.pre"))
+        try:
+            rule = split_rule_for(meta.get("tokenizer.ggml.pre"))
+        except UnsupportedTokenizerError as exc:
+            raise UnsupportedTokenizerError(f"{source!r}: {exc}") from None
         backend, vocab = _byte_level_bpe(meta, tokens, types, rule.ignore_merges, source)
         backend.pre_tokenizer = pre_tokenizer_for(rule)
         add_bos_default, defaults = rule.add_bos, {}

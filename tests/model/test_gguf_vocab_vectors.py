@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from llmserve.chat_tokens import encode_plain
-from llmserve.gguf_tokenizer import build_gguf_tokenizer
+from llmserve.gguf_pretokenizers import PRE_TOKENIZER_NAMES, pre_tokenizer_for, split_rule_for
+from llmserve.gguf_tokenizer import build_gguf_tokenizer, byte_to_unicode
 from llmserve.model.gguf_loader import read_gguf
 from llmserve.tokenizer import Tokenizer
 
@@ -117,6 +118,15 @@ def test_unknown_pre_tokenizer_is_refused_by_name(vocab_dir):
     meta["tokenizer.ggml.model"] = "rwkv"
     with pytest.raises(ValueError, match="tokenizer model 'rwkv' is not supported"):
         build_gguf_tokenizer(meta, "test.gguf")
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZER_NAMES))
+def test_every_pre_tokenizer_name_splits_without_losing_text(name):
+    text = "Hello, y'all!  It's 1234567 días — 日本語 한국어 🦙\n\n\tEND<sentinel:12> "
+    pieces = pre_tokenizer_for(split_rule_for(name)).pre_tokenize_str(text)
+    spell = byte_to_unicode()
+    assert "".join(p for p, _ in pieces) == "".join(spell[b] for b in text.encode("utf-8"))
+    assert len(pieces) > 5
 
 
 def test_special_tokens_with_any_characters(vocab_dir):
