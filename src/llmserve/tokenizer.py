@@ -1,7 +1,7 @@
 """Tokenizer: a ``tokenizers.Tokenizer`` plus the special-token settings and chat template.
 
-Loads from an HF folder (tokenizer.json + tokenizer_config.json) or rebuilds a byte-level BPE
-tokenizer from a GGUF file's metadata. Chat templates render in a sandboxed jinja2 environment
+Loads from an HF folder (tokenizer.json + tokenizer_config.json) or rebuilds the tokenizer from
+a GGUF file's metadata (byte-level BPE or SentencePiece: see :mod:`llmserve.gguf_tokenizer`). Chat templates render in a sandboxed jinja2 environment
 configured the way transformers does it. No torch here.
 """
 from __future__ import annotations
@@ -17,63 +17,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from llmserve.chat_tokens import encode_chat
+from llmserve.gguf_tokenizer import build_gguf_tokenizer, unicode_to_byte
 
 logger = logging.getLogger(__name__)
-
-# GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-#: llama.cpp pre-tokenizer names that isolate every digit before the GPT-2 split.
-_DIGITS_FIRST_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_REGEX_PRE = {
-    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-_GPT2_PRE = {None, "default", "gpt2", "gpt-2"}
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    unprintable = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(unprintable)}}
-
-
-@functools.lru_cache(maxsize=1)
-def _unicode_to_byte() -> dict[str, int]:
-    return {char: byte for byte, char in _byte_to_unicode().items()}
-
-
-def _gguf_pre_tokenizer(pre: Optional[str]) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre``."""
-    if pre in _DIGITS_FIRST_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    if pre in _REGEX_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    if pre not in _GPT2_PRE:
-        logger.warning("unknown GGUF pre-tokenizer %r; using the GPT-2 split", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
 
 def _token_content(value: Any) -> Optional[str]:
     """A special token from tokenizer_config.json: a string or a serialized AddedToken dict."""
@@ -174,6 +123,8 @@ class Tokenizer:
         self._prepend_bos = self.add_bos_token and self._bos_id is not None and probe[:1] != [self._bos_id]
         self._append_eos = self.add_eos_token and self._eos_id is not None and probe[-1:] != [self._eos_id]
         self._fingerprint: Optional[str] = None
+        # byte-level vocabularies spell bytes as GPT-2 characters; SentencePiece ones use text
+        self._byte_level = backend.decoder is not None and b'"ByteLevel"' in backend.decoder.__getstate__()
 
     def _lookup(self, token: Optional[str]) -> Optional[int]:
         if token is None:
@@ -232,47 +183,11 @@ class Tokenizer:
     def _from_gguf(cls, path: str) -> "Tokenizer":
         from llmserve.model.gguf_loader import read_gguf  # numpy + gguf only, no torch
 
-        meta = read_gguf(path).metadata
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{path!r}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet, spell = set(_unicode_to_byte()), _byte_to_unicode()
-        vocab: dict[str, int] = {}
-        for index, token in enumerate(tokens):
-            if not set(token) <= alphabet:   # stored as raw text: respell in the byte alphabet
-                token = "".join(spell[b] for b in token.encode("utf-8"))
-            vocab.setdefault(token, index)
-        merges = []
-        for merge in meta.get("tokenizer.ggml.merges") or []:
-            left, sep, right = merge.partition(" ")
-            if not sep or " " in right:
-                raise ValueError(f"{path!r}: malformed merge {merge!r}")
-            merges.append((left, right))
-        backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        control = [t for t, ttype in zip(tokens, token_types) if ttype == _GGUF_CONTROL and t in vocab]
-        user = [t for t, ttype in zip(tokens, token_types) if ttype == _GGUF_USER_DEFINED and t in vocab]
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
-        def name_of(key: str) -> Optional[str]:
-            token_id = meta.get(f"tokenizer.ggml.{key}")
-            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
-
-        bos, eos = name_of("bos_token_id"), name_of("eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-        if add_bos and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                special_tokens=[(bos, vocab[bos])])
-        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
-        return cls(backend, bos_token=bos, eos_token=eos, pad_token=name_of("padding_token_id"),
-                   unk_token=name_of("unknown_token_id"), add_bos_token=add_bos,
-                   add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"), extra_eos_token_ids=extra)
+        parts = build_gguf_tokenizer(read_gguf(path).metadata, path)
+        return cls(parts.backend, bos_token=parts.bos_token, eos_token=parts.eos_token,
+                   pad_token=parts.pad_token, unk_token=parts.unk_token,
+                   add_bos_token=parts.add_bos_token, add_eos_token=parts.add_eos_token,
+                   chat_template=parts.chat_template, extra_eos_token_ids=parts.extra_eos_token_ids)
 
     # ----------------------------------------------------------------- text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -315,8 +230,8 @@ class Tokenizer:
         token = self.id_to_token(token_id)
         if token_id in self._special_ids or token_id in self._added_ids:
             return token.encode("utf-8")
-        to_byte = _unicode_to_byte()
-        if all(ch in to_byte for ch in token):
+        to_byte = unicode_to_byte()
+        if self._byte_level and all(ch in to_byte for ch in token):
             return bytes(to_byte[ch] for ch in token)
         if token.startswith("<0x") and token.endswith(">") and len(token) == 6:   # sentencepiece byte fallback
             return bytes([int(token[3:5], 16)])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -72,12 +72,12 @@ def make_tiny_checkpoint(
     ``head_dim`` defaults to ``hidden // num_heads`` and is always written, so MHA
     (``num_kv_heads == num_heads``), GQA and MQA (``num_kv_heads == 1``) are all possible.
     ``vocab_size`` may only grow the default 49152 (a padded vocabulary); the tokenizer is
-    never truncated. ``max_shard_size`` (e.g. ``"1MB"``) writes sharded safetensors + index.
+    never truncated (without ``with_tokenizer`` any size goes). ``max_shard_size`` (e.g. ``"1MB"``) writes sharded safetensors + index.
     """
     from transformers import AutoModelForCausalLM
 
     vocab = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
-    if vocab < DEFAULT_VOCAB_SIZE:
+    if with_tokenizer and vocab < DEFAULT_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {DEFAULT_VOCAB_SIZE} (the tokenizer is not truncated)")
     config = _config(
         arch,
@@ -157,13 +157,15 @@ def _add_default_tokenizer(writer) -> None:
 
 
 def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "llama",
-                   embedding_quant: Optional[str] = None, with_tokenizer: bool = False) -> str:
+                   embedding_quant: Optional[str] = None, with_tokenizer: bool = False,
+                   tokenizer_writer: Optional[Callable[[Any], None]] = None) -> str:
     """Convert a tiny HF *Llama* folder to GGUF as llama.cpp would; return ``out_path``.
 
     ``quant`` is a ``GGMLQuantizationType`` name such as ``"F32"``, ``"F16"``, ``"Q8_0"`` or
     ``"Q4_1"``: 2-D weights are quantized; norms and, to keep this fast, the large token
     embedding stay F32 unless ``embedding_quant`` names its type. ``with_tokenizer`` copies
-    the default model's tokenizer in, so an engine can open the file. ``arch`` is
+    the default model's tokenizer in, so an engine can open the file; ``tokenizer_writer``
+    (called with the ``GGUFWriter``) writes another tokenizer instead. ``arch`` is
     written as ``general.architecture`` (tests pass an unsupported one to check the error).
     """
     import gguf
@@ -187,7 +189,9 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
-    if with_tokenizer:
+    if tokenizer_writer is not None:
+        tokenizer_writer(writer)
+    elif with_tokenizer:
         _add_default_tokenizer(writer)
     qtype = gguf.GGMLQuantizationType[quant]
     writer.add_file_type(gguf.LlamaFileType["ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"])

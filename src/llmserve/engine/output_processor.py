@@ -49,7 +49,11 @@ class OutputProcessor:
     def token_text(self, token_id: int) -> str:
         piece = self._piece_cache.get(token_id)
         if piece is None:
-            piece = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            # The token's own bytes: decoding it alone would drop a SentencePiece "▁" (space)
+            # that starts it, as decoders strip the space the encoder prepended to the text.
+            raw = getattr(self.tokenizer, "token_bytes", None)
+            piece = (raw(token_id).decode("utf-8", errors="replace") if raw is not None
+                     else self.tokenizer.decode([token_id], skip_special_tokens=False))
             self._piece_cache[token_id] = piece
         return piece
 
