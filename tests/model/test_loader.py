@@ -106,12 +106,14 @@ def test_rope_settings_both_config_forms(tmp_path):
 def test_mistral_sliding_window(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path), max_position_embeddings=512)
     _edit_config(path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        load_model_config(path)
+    cfg = load_model_config(path)                      # every layer slides (masked, docs/MODELS.md)
+    assert cfg.architecture == "mistral" and cfg.sliding_window == 128
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [128, 128]
     _edit_config(path, sliding_window=None)
-    assert load_model_config(path).architecture == "llama"
+    assert load_model_config(path).sliding_window is None
     _edit_config(path, sliding_window=4096)            # covers the whole context: full attention
-    assert load_checkpoint(path).config.max_position_embeddings == 512
+    ckpt = load_checkpoint(path)
+    assert ckpt.config.max_position_embeddings == 512 and ckpt.config.sliding_window is None
 
 
 def test_unknown_architecture_is_named(tmp_path):
