@@ -166,6 +166,8 @@ def _gemma_fields(cfg: dict, arch: str) -> dict[str, Any]:
         return {}
     caps = {k: (float(cfg[k]) if cfg.get(k) is not None else None)
             for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    if arch == "gemma3":   # Gemma 3 keeps the key but its attention never caps (as transformers)
+        caps["attn_logit_softcapping"] = None
     return dict(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)), **caps)
 
 
