@@ -148,8 +148,9 @@ def _moe_fields(cfg: dict, arch: str) -> dict[str, Any]:
         return dict(num_experts=int(cfg["num_local_experts"]),
                     num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
-    if arch in ("qwen2_moe", "qwen3_moe"):
-        return dict(num_experts=int(cfg["num_experts"]),
+    if arch in ("qwen2_moe", "qwen3_moe"):   # transformers 5 writes num_local_experts
+        experts = cfg.get("num_experts") or cfg["num_local_experts"]
+        return dict(num_experts=int(experts),
                     num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                     shared_expert_intermediate_size=int(

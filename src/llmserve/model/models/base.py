@@ -280,15 +280,6 @@ class CausalLM(nn.Module, ABC):
                 total += module.weight_bytes
             elif isinstance(module, RMSNorm):
                 total += sum(p.numel() * p.element_size() for p in module.parameters(False))
-            elif isinstance(module, ExtraWeights):
-                total += module.extra_weight_bytes
         return total + self.lm_head.extra_bytes - (
             self.lm_head.linear.weight_bytes if self.lm_head.linear is not None else 0)
 
-
-class ExtraWeights:
-    """Mixin for modules holding plain parameters outside a Linear (e.g. a MoE router)."""
-
-    @property
-    def extra_weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters(False))
