@@ -22,14 +22,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFil
 from gguf.quants import dequantize
 
 from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_families import hf_names, model_architecture, moe_config_fields
 
 logger = logging.getLogger(__name__)
 
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
-
-#: GGUF `general.architecture` values we can run -> our ModelConfig.architecture.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
@@ -39,27 +37,6 @@ _SCALAR_FORMATS = {
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
-
-# Per-layer GGUF tensor suffix -> HF suffix under model.layers.{i}.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
 
 @dataclass(frozen=True)
 class GGUFTensorInfo:
@@ -188,13 +165,12 @@ def gguf_quantization_name(gguf_file: GGUFFile) -> str:
 
 
 def _architecture(gguf_file: GGUFFile) -> str:
-    arch = gguf_file.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_file.path!r}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
-    return arch
+    """The file's ``general.architecture`` (checked supported)."""
+    try:
+        model_architecture(gguf_file.architecture, gguf_file.metadata)
+    except ValueError as exc:
+        raise ValueError(f"{gguf_file.path!r}: {exc}") from None
+    return gguf_file.architecture
 
 
 def _f32(value: Any) -> float:
@@ -260,11 +236,19 @@ def gguf_model_config(gguf_file: GGUFFile) -> ModelConfig:
     eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if k in meta]
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    model_arch = model_architecture(arch, meta)
+    try:
+        moe = moe_config_fields(arch, model_arch, meta, gguf_file.tensors)
+    except ValueError as exc:
+        raise ValueError(f"{gguf_file.path!r}: {exc}") from None
+    feed_forward = meta.get(f"{arch}.feed_forward_length", moe.get("moe_intermediate_size"))
+    if feed_forward is None:
+        need("feed_forward_length")
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=model_arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=_uniform(need("feed_forward_length"), f"{arch}.feed_forward_length"),
+        intermediate_size=_uniform(feed_forward, f"{arch}.feed_forward_length"),
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -280,24 +264,8 @@ def gguf_model_config(gguf_file: GGUFFile) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
         source_format="gguf",
         quantization=gguf_quantization_name(gguf_file),
+        **moe,
     )
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its HF name.
-
-    Raises:
-        ValueError: a tensor this loader does not know.
-    """
-    stem, _, kind = gguf_name.rpartition(".")
-    if kind not in ("weight", "bias"):
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this loader")
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -368,20 +336,44 @@ def _rotary_heads(arch: str, name: str, config: ModelConfig) -> "int | None":
     return None
 
 
+def _split_experts(info: GGUFTensorInfo, names: list[str]) -> list[GGUFTensorInfo]:
+    """A 3-D expert tensor ``(E, rows, cols)`` as E contiguous 2-D tensors, one per expert."""
+    if len(info.shape) != 3 or info.shape[0] != len(names):
+        raise ValueError(f"GGUF tensor {info.name} has shape {info.shape}; expected "
+                         f"({len(names)}, rows, cols) experts")
+    each = info.nbytes // len(names)
+    return [GGUFTensorInfo(name, info.shape[1:], info.qtype, info.offset + e * each, each)
+            for e, name in enumerate(names)]
+
+
+def _hf_tensors(gguf_file: GGUFFile, config: ModelConfig
+                ) -> Iterator[tuple[str, GGUFTensorInfo]]:
+    """``(hf_name, info)`` per HF tensor; expert tensors split, 1-D gates made ``(1, H)``."""
+    for info in gguf_file.tensors.values():
+        names = hf_names(config.architecture, info.name, config.num_experts)
+        if "_exps." in info.name:
+            yield from ((part.name, part) for part in _split_experts(info, names))
+        elif names[0].endswith("shared_expert_gate.weight") and len(info.shape) == 1:
+            yield names[0], GGUFTensorInfo(info.name, (1, info.shape[0]), info.qtype,
+                                           info.offset, info.nbytes)
+        else:
+            yield names[0], info
+
+
 def iter_gguf_weights(gguf_file: GGUFFile, config: ModelConfig,
                       raw: bool = False) -> Iterator[tuple[str, "np.ndarray | RawGGUFTensor"]]:
     """Yield ``(hf_name, float32 array)`` for every tensor, dequantized and in HF layout.
 
     Q and K projections of Llama-architecture files are un-permuted back to HF's rotary layout
     (Q with ``num_attention_heads``, K with ``num_key_value_heads``); Qwen files are not permuted.
-    With ``raw``, block-quantized matrices come as :class:`RawGGUFTensor` (bytes, rows
-    un-permuted) for a quantized linear method to repack; float tensors stay dense.
+    A 3-D expert tensor comes as one 2-D tensor per expert (gguf_families). With ``raw``,
+    block-quantized matrices come as :class:`RawGGUFTensor` (bytes, rows un-permuted) for a
+    quantized linear method to repack; float tensors stay dense.
     """
     arch = _architecture(gguf_file)
     data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
     try:
-        for info in gguf_file.tensors.values():
-            name = hf_tensor_name(info.name)
+        for name, info in _hf_tensors(gguf_file, config):
             heads = _rotary_heads(arch, name, config)
             if raw and len(info.shape) == 2 and info.qtype not in _FLOAT_TYPES:
                 rows = np.array(data[info.offset:info.offset + info.nbytes]).reshape(

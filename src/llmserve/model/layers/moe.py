@@ -23,7 +23,18 @@ from typing import Optional
 import torch
 from torch import nn
 
+from llmserve.model.gguf_loader import RawGGUFTensor
 from llmserve.model.layers.linear import DenseLinearMethod, Linear
+
+
+class RouterLinearMethod(DenseLinearMethod):
+    """Dense weights in the model dtype; a GGUF file's quantized router is dequantized."""
+
+    def load_weight(self, layer: Linear, name: str, tensor: "torch.Tensor | RawGGUFTensor",
+                    shard: Optional[int]) -> None:
+        if isinstance(tensor, RawGGUFTensor):
+            tensor = torch.from_numpy(tensor.dequantize())
+        super().load_weight(layer, name, tensor, shard)
 
 
 class MoEMLP(nn.Module):
@@ -33,7 +44,7 @@ class MoEMLP(nn.Module):
                  make_expert, dtype: torch.dtype, device: torch.device,
                  shared_expert: Optional[nn.Module] = None) -> None:
         super().__init__()
-        router_method = DenseLinearMethod()
+        router_method = RouterLinearMethod()
         self.gate = Linear(hidden, num_experts, bias=False, method=router_method, dtype=dtype,
                            device=device)
         self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
