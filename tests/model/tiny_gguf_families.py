@@ -113,3 +113,83 @@ def make_tiny_moe_gguf(hf_dir: str, out_path: str, quant: str = "F32") -> str:
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+_GEMMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+_PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def _write_common(writer, cfg: dict) -> None:
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    _add_default_tokenizer(writer)
+
+
+def make_tiny_dense_gguf(hf_dir: str, out_path: str) -> str:
+    """Convert a tiny HF Gemma 2 / Gemma 3 / Phi-3 folder to an F32 GGUF as llama.cpp's
+    converter does (Gemma norms stored as 1 + w, Phi-3's fused tensors and LongRoPE factor
+    tensors); return the path."""
+    import gguf
+
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as handle:
+        cfg = json.load(handle)
+    arch = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}[cfg["model_type"]]
+    writer = gguf.GGUFWriter(out_path, arch)
+    _write_common(writer, cfg)
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    elif arch == "gemma3":
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    else:
+        writer.add_rope_dimension_count(cfg["head_dim"])
+        writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+        original = cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(
+                float(np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight",
+                              np.array(rope["short_factor"], np.float32))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    names = dict(_DENSE, **(_PHI3_NAMES if arch == "phi3" else _GEMMA_NAMES))
+    for hf_name, value in _tensors(hf_dir).items():
+        if arch != "phi3" and hf_name.endswith("norm.weight"):
+            value = value + 1
+        if hf_name in top:
+            writer.add_tensor(top[hf_name], value)
+            continue
+        _, _, layer, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path

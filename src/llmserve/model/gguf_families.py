@@ -14,15 +14,39 @@ returns one HF name per expert and the loader hands the experts over one at a ti
     blk.{i}.ffn_gate_inp_shexp    (H,)              mlp.shared_expert_gate (as (1, H))
 
 Mixtral files say ``general.architecture = llama`` and carry ``llama.expert_count``.
+
+Gemma 2/3 and Phi-3 follow llama.cpp's conventions (its converter and model loaders)::
+
+    gemma*   norms stored as 1 + w (the loader subtracts 1: HF semantics); ffn_norm is the
+             pre-feedforward norm, post_attention_norm / post_ffw_norm the sandwich norms;
+             attention.sliding_window + sliding_window_pattern (bools, or n: every n-th layer
+             global; default 2 for Gemma 2, 6 for Gemma 3); attention scale 1/sqrt(head_dim)
+             except the 27B models (1/sqrt(hidden/heads)); local rope base rope.freq_base_swa
+             (Gemma 3, default 10000)
+    phi3     attn_qkv and ffn_up (gate and up rows) fused as in the HF checkpoint; LongRoPE
+             factors in the rope_factors_long/short tensors, rope.scaling.attn_factor and
+             rope.scaling.original_context_length; llama.cpp ignores phi3's sliding window
+
 This module imports no torch (the tokenizer reads GGUF metadata through gguf_loader).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 #: GGUF ``general.architecture`` -> ModelConfig.architecture (llama + experts -> mixtral).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+                      "gemma3": "gemma3", "phi3": "phi3"}
+#: tensors that configure rather than weigh (read into the config, never loaded)
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+#: layer counts of the 27B models, whose attention scale is 1/sqrt(hidden / heads)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 #: Families whose GGUF routing weights are renormalised by llama.cpp (its build_moe_ffn flag).
 _NORMALISED_ROUTING = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 
@@ -96,8 +120,69 @@ def moe_config_fields(gguf_arch: str, arch: str, metadata: dict[str, Any],
     return fields
 
 
+def _sliding_fields(gguf_arch: str, metadata: dict[str, Any], layers: int) -> dict[str, Any]:
+    window = int(metadata.get(f"{gguf_arch}.attention.sliding_window", 0) or 0)
+    if gguf_arch == "gemma2" and not window:
+        window = 4096   # llama.cpp's Gemma 2 default
+    if not window or gguf_arch == "phi3":
+        return {}
+    pattern = metadata.get(f"{gguf_arch}.attention.sliding_window_pattern",
+                           2 if gguf_arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+        if len(sliding) != layers:
+            raise ValueError(f"{gguf_arch}.attention.sliding_window_pattern has {len(sliding)} "
+                             f"entries for {layers} layers")
+    else:
+        n = int(pattern)
+        sliding = [n > 0 and i % n < n - 1 for i in range(layers)]
+    if not any(sliding):
+        return {}
+    return dict(sliding_window=window, layer_types=tuple(
+        "sliding_attention" if s else "full_attention" for s in sliding))
+
+
+def family_config_fields(gguf_arch: str, arch: str, metadata: dict[str, Any], *, layers: int,
+                         hidden: int, heads: int, head_dim: int,
+                         read_tensor: Callable[[str], Optional[list[float]]]
+                         ) -> dict[str, Any]:
+    """Gemma / Phi-3 ModelConfig fields from their GGUF keys (empty for other families).
+
+    ``read_tensor(name)`` returns a small float tensor's values (None when absent)."""
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{gguf_arch}.{name}", default)
+
+    fields: dict[str, Any] = {}
+    if arch in ("gemma2", "gemma3"):
+        fields.update(_sliding_fields(gguf_arch, metadata, layers))
+        big = layers == _GEMMA_27B_LAYERS[arch]
+        fields.update(hidden_act="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+                      final_logit_softcapping=key("final_logit_softcapping"))
+        if arch == "gemma2":
+            fields["attn_logit_softcapping"] = key("attn_logit_softcapping")
+        else:
+            fields["local_rope_theta"] = float(key("rope.freq_base_swa", 10000.0))
+    elif arch == "phi3":
+        long, short = read_tensor(CONFIG_TENSORS[0]), read_tensor(CONFIG_TENSORS[1])
+        if long is not None and short is not None:
+            original = int(key("rope.scaling.original_context_length", key("context_length")))
+            fields["rope_scaling"] = {
+                "rope_type": "longrope", "long_factor": long, "short_factor": short,
+                "original_max_position_embeddings": original,
+                "factor": float(key("context_length")) / original,
+                "attention_factor": key("rope.scaling.attn_factor")}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def norm_offset(arch: str, hf_name: str) -> float:
+    """What llama.cpp's converter added to a tensor (Gemma norms: 1), to subtract at load."""
+    return 1.0 if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight") else 0.0
+
+
 def hf_names(arch: str, gguf_name: str, num_experts: int = 0) -> list[str]:
-    """The HF name(s) of a llama.cpp tensor: one, or one per expert for a 3-D expert tensor.
+    """The HF name(s) of a llama.cpp tensor: one, or one per expert for a 3-D expert tensor;
+    none for a tensor that only configures (``CONFIG_TENSORS``).
 
     Raises:
         ValueError: a tensor this loader does not know.
@@ -105,11 +190,17 @@ def hf_names(arch: str, gguf_name: str, num_experts: int = 0) -> list[str]:
     stem, _, kind = gguf_name.rpartition(".")
     if kind not in ("weight", "bias"):
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if gguf_name in CONFIG_TENSORS and arch == "phi3":
+        return []
     if stem in GLOBAL_NAMES:
         return [f"{GLOBAL_NAMES[stem]}.{kind}"]
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         prefix, sub = f"model.layers.{int(parts[1])}.", parts[2]
+        if arch in ("gemma2", "gemma3") and sub in _GEMMA_LAYER_NAMES:
+            return [f"{prefix}{_GEMMA_LAYER_NAMES[sub]}.{kind}"]
+        if arch == "phi3" and sub in _PHI3_LAYER_NAMES:
+            return [f"{prefix}{_PHI3_LAYER_NAMES[sub]}.{kind}"]
         if sub in LAYER_NAMES:
             return [f"{prefix}{LAYER_NAMES[sub]}.{kind}"]
         family = "mixtral" if arch == "mixtral" else "qwen_moe"

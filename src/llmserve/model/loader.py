@@ -29,9 +29,8 @@ import torch
 from safetensors import safe_open
 
 from llmserve.model.config import ModelConfig
-from llmserve.model.gguf_loader import (
-    RawGGUFTensor, gguf_model_config, iter_gguf_weights, read_gguf,
-)
+from llmserve.model.gguf_config import gguf_model_config
+from llmserve.model.gguf_loader import RawGGUFTensor, iter_gguf_weights, read_gguf
 from llmserve.model.hf_config import hf_model_config, read_json as _read_json
 
 logger = logging.getLogger(__name__)
