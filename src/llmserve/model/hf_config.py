@@ -77,6 +77,8 @@ def rope_settings(cfg: dict) -> tuple[float, Optional[dict]]:
     else:
         theta = float(cfg.get("rope_theta", 10000.0))
         scaling = dict(cfg.get("rope_scaling") or {})
+    if "partial_rotary_factor" in cfg:   # transformers 4 keeps it beside the rope keys
+        scaling.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
     scaling = _normalise_scaling(scaling)
     if scaling and scaling["rope_type"] == "longrope":
         original = scaling.get("original_max_position_embeddings",

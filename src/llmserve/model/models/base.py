@@ -172,7 +172,9 @@ class CausalLM(nn.Module, ABC):
         super().__init__()
         self.config = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.embed_scale = cfg.hidden_size ** 0.5 if self.embed_scale_by_sqrt_hidden else None
+        self.embed_scale = None
+        if self.embed_scale_by_sqrt_hidden:   # rounded to the model dtype, as transformers does
+            self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))
         self.layers = nn.ModuleList(self.make_layer(cfg, i, backend, method, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -216,8 +218,8 @@ class CausalLM(nn.Module, ABC):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` of the new tokens, before the final norm."""
         h = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:   # rounded to the model dtype, as transformers does
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         for layer, rotary, kv in zip(self.layers, self._layer_rotary, kv_caches):
             h = layer(positions, h, rotary, kv, meta)
         return h
