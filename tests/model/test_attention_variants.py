@@ -1,6 +1,7 @@
 """Sliding windows and score soft-capping in every attention path, against a brute-force
-reference: the eager gather + SDPA decode, the in-place paged decode (eager and compiled),
-prefill groups, and the compiled decode step of a whole Gemma 2 model (window + caps)."""
+reference: the eager gather + SDPA decode, the in-place paged decode, prefill groups; and the
+compiled decode step of a whole Gemma 2 model (window + caps: the in-place decode compiled)
+against the same model run eagerly."""
 from __future__ import annotations
 
 import math
@@ -57,10 +58,6 @@ def test_decode_paths_honour_window_and_softcap(window, softcap):
     torch.testing.assert_close(gathered, expect, atol=1e-5, rtol=1e-5)
     inplace = paged_decode_inplace(q, k_cache, v_cache, meta.decode_slots, valid, 0.2, softcap)
     torch.testing.assert_close(inplace, expect, atol=1e-5, rtol=1e-5)
-    if window is not None and softcap is not None:   # compiling costs seconds: one case
-        compiled = torch.compile(paged_decode_inplace, dynamic=True)
-        torch.testing.assert_close(compiled(q, k_cache, v_cache, meta.decode_slots, valid, 0.2,
-                                            softcap), expect, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["reference", "paged"])

@@ -57,6 +57,7 @@ def test_prefill_logits_match(dense_gguf):
     check_prefill(path, hf, prompts)
 
 
+@pytest.mark.parametrize("dense_gguf", CASES[:1], indirect=True)   # decode: one file is enough
 def test_greedy_generation_matches_transformers_generate(dense_gguf):
     path, hf, _ = dense_gguf
     check_greedy(path, hf, PROMPTS[1], new_tokens=16)

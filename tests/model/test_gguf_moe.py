@@ -50,15 +50,22 @@ def test_prefill_logits_match(moe_gguf):
     check_prefill(path, hf, PROMPTS)
 
 
+@pytest.mark.parametrize("moe_gguf", CASES[:1], indirect=True)   # decode: one file is enough
 def test_greedy_generation_matches_transformers_generate(moe_gguf):
     path, hf, _ = moe_gguf
     check_greedy(path, hf, PROMPTS[1], new_tokens=16)
 
 
-def test_quantized_experts_arrive_one_raw_tensor_each(tmp_path):
-    hf_dir = make_tiny_checkpoint(str(tmp_path / "hf"), arch="qwen2_moe", num_heads=4,
+@pytest.fixture(scope="module")
+def q8_moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q8")
+    hf_dir = make_tiny_checkpoint(str(folder / "hf"), arch="qwen2_moe", num_heads=4,
                                   num_kv_heads=2, seed=19, config_overrides=QWEN2_MOE)
-    source = open_checkpoint(make_tiny_moe_gguf(hf_dir, str(tmp_path / "q8.gguf"), "Q8_0"))
+    return make_tiny_moe_gguf(hf_dir, str(folder / "q8.gguf"), "Q8_0")
+
+
+def test_quantized_experts_arrive_one_raw_tensor_each(q8_moe):
+    source = open_checkpoint(q8_moe)
     dense = dict(source.iter_weights())
     raw = dict(source.iter_weights(raw_gguf=True))
     assert dense.keys() == raw.keys()
@@ -69,15 +76,13 @@ def test_quantized_experts_arrive_one_raw_tensor_each(tmp_path):
             np.testing.assert_array_equal(value.dequantize(), dense[key])
 
 
-def test_quantized_moe_gguf_serves_with_packed_experts(tmp_path, caplog):
+def test_quantized_moe_gguf_serves_with_packed_experts(q8_moe, caplog):
     """bf16 + ``quantization auto``: every expert matrix is packed int8 (Q8_0 kept), the
     router stays dense, the compiled decode step is bypassed with a logged reason, and the
     greedy tokens equal the float32 dequantized run's on this tiny model."""
     from llmserve import LLM, SamplingParams
 
-    hf_dir = make_tiny_checkpoint(str(tmp_path / "hf"), arch="qwen2_moe", num_heads=4,
-                                  num_kv_heads=2, seed=19, config_overrides=QWEN2_MOE)
-    path = make_tiny_moe_gguf(hf_dir, str(tmp_path / "q8.gguf"), "Q8_0")
+    path = q8_moe
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with caplog.at_level("WARNING", logger="llmserve.model.runner"):
         packed = LLM(path, dtype="bfloat16", num_kv_blocks=64, enforce_eager=False,

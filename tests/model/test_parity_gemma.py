@@ -51,14 +51,12 @@ def test_config(gemma):
         assert cfg.attn_logit_softcapping is None
 
 
-@pytest.mark.parametrize("backend", ["reference", "paged"])
-def test_prefill_logits_match(gemma, backend):
-    check_prefill(*gemma, PROMPTS, attention_backend=backend)
+def test_prefill_logits_match(gemma):
+    check_prefill(*gemma, PROMPTS)
 
 
-@pytest.mark.parametrize("backend", ["reference", "paged"])
-def test_decode_logits_match_step_by_step(gemma, backend):
-    check_decode(*gemma, PROMPTS[1], steps=10, attention_backend=backend)
+def test_decode_logits_match_step_by_step(gemma):
+    check_decode(*gemma, PROMPTS[1], steps=10)
 
 
 def test_batch_of_different_lengths_matches_each_alone(gemma):

@@ -1,5 +1,5 @@
 """Phi-3 against transformers (fp32, tiny random checkpoints): fused qkv_proj / gate_up_proj
-tensors, plain rope and LongRoPE.
+tensors and LongRoPE (both factor sets).
 
 LongRoPE's factor set is fixed per engine (docs/MODELS.md): an engine whose context fits the
 pretraining length (32 here) uses the short factors, a longer one the long factors. The
@@ -27,8 +27,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
 SHORT_PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 121)), [11, 12]]
 LONG_PROMPTS = [list(range(100, 137)), list(range(300, 345)), list(range(7, 40))]
 # (rope, engine max_model_len, prompts)
-CASES = [pytest.param((None, None, LONG_PROMPTS), id="rope"),
-         pytest.param((LONGROPE, ORIGINAL, SHORT_PROMPTS), id="longrope-short"),
+CASES = [pytest.param((LONGROPE, ORIGINAL, SHORT_PROMPTS), id="longrope-short"),
          pytest.param((LONGROPE, None, LONG_PROMPTS), id="longrope-long")]
 
 
