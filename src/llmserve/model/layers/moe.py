@@ -18,7 +18,7 @@ dense in the model dtype: routing decisions are sensitive to rounding.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ class MoEMLP(nn.Module):
     """Routed experts (``experts``), optional always-on ``shared_expert`` with a sigmoid gate."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, normalise: bool,
-                 make_expert, dtype: torch.dtype, device: torch.device,
+                 make_expert: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device,
                  shared_expert: Optional[nn.Module] = None) -> None:
         super().__init__()
         router_method = RouterLinearMethod()
