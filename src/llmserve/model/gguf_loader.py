@@ -1,4 +1,5 @@
-"""GGUF files: metadata, model config and dequantized weights under Hugging Face names.
+"""GGUF files: metadata and dequantized weights under Hugging Face names (the model config
+is built in gguf_config.py, family-specific names and keys live in gguf_families.py).
 
 This module imports numpy and the ``gguf`` package but not torch, so the tokenizer can read
 GGUF metadata without pulling torch in. :mod:`llmserve.model.loader` turns the arrays into tensors.
@@ -13,23 +14,20 @@ import logging
 import mmap
 import os
 import struct
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_families import hf_names, model_architecture, norm_offset
 
 logger = logging.getLogger(__name__)
 
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
-
-#: GGUF `general.architecture` values we can run -> our ModelConfig.architecture.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
@@ -39,27 +37,6 @@ _SCALAR_FORMATS = {
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
-
-# Per-layer GGUF tensor suffix -> HF suffix under model.layers.{i}.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
 
 @dataclass(frozen=True)
 class GGUFTensorInfo:
@@ -174,130 +151,13 @@ def read_gguf(path: str) -> GGUFFile:
     return GGUFFile(path=os.path.abspath(path), version=version, metadata=metadata, tensors=tensors)
 
 
-def gguf_quantization_name(gguf_file: GGUFFile) -> str:
-    """The file's quantization as ``gguf:<type>`` (e.g. ``gguf:Q4_1``)."""
-    file_type = gguf_file.metadata.get("general.file_type")
-    if file_type is not None:
-        try:
-            name = LlamaFileType(int(file_type)).name
-            return "gguf:" + name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        except ValueError:
-            pass
-    matrix_types = Counter(t.qtype.name for t in gguf_file.tensors.values() if len(t.shape) == 2)
-    return "gguf:" + (matrix_types.most_common(1)[0][0] if matrix_types else "unknown")
-
-
 def _architecture(gguf_file: GGUFFile) -> str:
-    arch = gguf_file.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_file.path!r}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
-    return arch
-
-
-def _f32(value: Any) -> float:
-    """GGUF stores floats as float32; recover the decimal the writer meant (1e-5, not 9.99999974e-06)."""
-    return float(str(np.float32(value)))
-
-
-def _uniform(value: Any, key: str) -> int:
-    """Some files store a per-layer list for head counts; we need one value."""
-    if isinstance(value, list):
-        if not value or len(set(value)) != 1:
-            raise ValueError(f"GGUF key {key} varies per layer ({value[:8]}...), which is not supported")
-        value = value[0]
-    return int(value)
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str, gguf_file: GGUFFile) -> dict | None:
-    if "rope_freqs.weight" in gguf_file.tensors:
-        raise ValueError(
-            f"{gguf_file.path!r} stores precomputed rope frequency factors (llama3-style rope "
-            "scaling), which the GGUF loader does not support; load the HF folder instead"
-        )
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))
-    if kind in ("none", None) or factor == 1.0:
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": factor}
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
-        return scaling
-    raise ValueError(f"{gguf_file.path!r}: unsupported GGUF rope scaling type {kind!r}")
-
-
-def gguf_model_config(gguf_file: GGUFFile) -> ModelConfig:
-    """Build a :class:`ModelConfig` from ``<arch>.*`` metadata (no tensor data is read)."""
-    arch = _architecture(gguf_file)
-    meta = gguf_file.metadata
-
-    def need(key: str) -> Any:
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise ValueError(f"{gguf_file.path!r}: GGUF metadata lacks {full}")
-        return meta[full]
-
-    hidden = int(need("embedding_length"))
-    num_heads = _uniform(need("attention.head_count"), f"{arch}.attention.head_count")
-    num_kv_heads = _uniform(meta.get(f"{arch}.attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv")
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"{gguf_file.path!r}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if f"{arch}.vocab_size" in meta:
-        vocab_size = int(meta[f"{arch}.vocab_size"])
-    elif tokens is not None:
-        vocab_size = len(tokens)
-    else:
-        vocab_size = gguf_file.tensors["token_embd.weight"].shape[0]
-    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                 "tokenizer.ggml.eom_token_id") if k in meta]
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=_uniform(need("feed_forward_length"), f"{arch}.feed_forward_length"),
-        num_hidden_layers=int(need("block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(need("context_length")),
-        rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(meta, arch, gguf_file),
-        tie_word_embeddings="output.weight" not in gguf_file.tensors,
-        attention_bias="blk.0.attn_q.bias" in gguf_file.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in gguf_file.tensors,
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
-        source_format="gguf",
-        quantization=gguf_quantization_name(gguf_file),
-    )
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its HF name.
-
-    Raises:
-        ValueError: a tensor this loader does not know.
-    """
-    stem, _, kind = gguf_name.rpartition(".")
-    if kind not in ("weight", "bias"):
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this loader")
+    """The file's ``general.architecture`` (checked supported)."""
+    try:
+        model_architecture(gguf_file.architecture, gguf_file.metadata)
+    except ValueError as exc:
+        raise ValueError(f"{gguf_file.path!r}: {exc}") from None
+    return gguf_file.architecture
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -368,20 +228,46 @@ def _rotary_heads(arch: str, name: str, config: ModelConfig) -> "int | None":
     return None
 
 
+def _split_experts(info: GGUFTensorInfo, names: list[str]) -> list[GGUFTensorInfo]:
+    """A 3-D expert tensor ``(E, rows, cols)`` as E contiguous 2-D tensors, one per expert."""
+    if len(info.shape) != 3 or info.shape[0] != len(names):
+        raise ValueError(f"GGUF tensor {info.name} has shape {info.shape}; expected "
+                         f"({len(names)}, rows, cols) experts")
+    each = info.nbytes // len(names)
+    return [GGUFTensorInfo(name, info.shape[1:], info.qtype, info.offset + e * each, each)
+            for e, name in enumerate(names)]
+
+
+def _hf_tensors(gguf_file: GGUFFile, config: ModelConfig
+                ) -> Iterator[tuple[str, GGUFTensorInfo]]:
+    """``(hf_name, info)`` per HF tensor; expert tensors split, 1-D gates made ``(1, H)``."""
+    for info in gguf_file.tensors.values():
+        names = hf_names(config.architecture, info.name, config.num_experts)
+        if not names:
+            continue
+        if "_exps." in info.name:
+            yield from ((part.name, part) for part in _split_experts(info, names))
+        elif names[0].endswith("shared_expert_gate.weight") and len(info.shape) == 1:
+            yield names[0], GGUFTensorInfo(info.name, (1, info.shape[0]), info.qtype,
+                                           info.offset, info.nbytes)
+        else:
+            yield names[0], info
+
+
 def iter_gguf_weights(gguf_file: GGUFFile, config: ModelConfig,
                       raw: bool = False) -> Iterator[tuple[str, "np.ndarray | RawGGUFTensor"]]:
     """Yield ``(hf_name, float32 array)`` for every tensor, dequantized and in HF layout.
 
     Q and K projections of Llama-architecture files are un-permuted back to HF's rotary layout
     (Q with ``num_attention_heads``, K with ``num_key_value_heads``); Qwen files are not permuted.
-    With ``raw``, block-quantized matrices come as :class:`RawGGUFTensor` (bytes, rows
-    un-permuted) for a quantized linear method to repack; float tensors stay dense.
+    A 3-D expert tensor comes as one 2-D tensor per expert (gguf_families). With ``raw``,
+    block-quantized matrices come as :class:`RawGGUFTensor` (bytes, rows un-permuted) for a
+    quantized linear method to repack; float tensors stay dense.
     """
     arch = _architecture(gguf_file)
     data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
     try:
-        for info in gguf_file.tensors.values():
-            name = hf_tensor_name(info.name)
+        for name, info in _hf_tensors(gguf_file, config):
             heads = _rotary_heads(arch, name, config)
             if raw and len(info.shape) == 2 and info.qtype not in _FLOAT_TYPES:
                 rows = np.array(data[info.offset:info.offset + info.nbytes]).reshape(
@@ -393,6 +279,7 @@ def iter_gguf_weights(gguf_file: GGUFFile, config: ModelConfig,
             values = dequantize_tensor(data, info)
             if heads is not None:
                 values = unpermute_rotary(values, heads)
-            yield name, values
+            offset = norm_offset(config.architecture, name)
+            yield name, (values - offset if offset else values)
     finally:
         del data

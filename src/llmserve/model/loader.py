@@ -1,6 +1,7 @@
 """Load a checkpoint (HF folder with safetensors, or a GGUF file) into HF-named tensors.
 
-Whatever the source, the result uses Hugging Face parameter names::
+Whatever the source, the result uses Hugging Face parameter names (the Llama layout below;
+each family's model class lists its own in ``expected_weight_shapes``)::
 
     model.embed_tokens.weight
     model.layers.{i}.input_layernorm.weight / post_attention_layernorm.weight
@@ -27,10 +28,10 @@ from typing import Any, Callable, Iterable, Iterator, Union
 import torch
 from safetensors import safe_open
 
-from llmserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from llmserve.model.gguf_loader import (
-    RawGGUFTensor, gguf_model_config, iter_gguf_weights, read_gguf,
-)
+from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_config import gguf_model_config
+from llmserve.model.gguf_loader import RawGGUFTensor, iter_gguf_weights, read_gguf
+from llmserve.model.hf_config import hf_model_config, read_json as _read_json
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ _LOAD_DTYPES = {
 _SAFETENSORS_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 #: Checkpoint entries that are derived buffers, not parameters.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _HASH_CHUNK = 1 << 20
 
 
@@ -67,125 +67,6 @@ def _is_gguf(path: str) -> bool:
     return False
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing {os.path.basename(path)}: {path!r} does not exist")
-    with open(path, encoding="utf-8") as handle:
-        try:
-            return json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path!r} is not valid JSON: {exc}") from exc
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
-    """``(rope_theta, rope_scaling)`` from transformers 5 ``rope_parameters`` or the 4.x keys."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    scaling.pop("type", None)
-    if scaling.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, scaling
-
-
-def _check_sliding_window(cfg: dict, arch_name: str, max_len: int) -> None:
-    window = cfg.get("sliding_window")
-    if arch_name.lower().startswith("qwen") and not cfg.get("use_sliding_window", False):
-        return
-    if window is None:
-        return
-    if int(window) < max_len:
-        raise ValueError(
-            f"{arch_name} uses sliding-window attention (sliding_window={window} < "
-            f"max_position_embeddings={max_len}), which this engine does not implement"
-        )
-    logger.warning("sliding_window=%s covers the whole context; using full attention", window)
-
-
-def _hf_architecture(cfg: dict, config_path: str) -> tuple[str, str]:
-    archs = cfg.get("architectures") or []
-    if archs:
-        name = archs[0]
-        if name not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{config_path!r}: architecture {name!r} is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        return name, SUPPORTED_ARCHITECTURES[name]
-    model_type = cfg.get("model_type")
-    if model_type in _MODEL_TYPES:
-        return str(model_type), _MODEL_TYPES[model_type]
-    raise ValueError(
-        f"{config_path!r} names no architecture (architectures / model_type = {model_type!r}); "
-        f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def hf_model_config(folder: str) -> ModelConfig:
-    """Read an HF folder's config.json (and generation_config.json for extra EOS ids)."""
-    config_path = os.path.join(folder, "config.json")
-    cfg = _read_json(config_path)
-    arch_name, arch = _hf_architecture(cfg, config_path)
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "unknown")
-        raise ValueError(
-            f"{config_path!r}: pre-quantized HF checkpoints ({method}) are not supported; "
-            "load the float checkpoint and quantize at load with --quantization int8|int4 "
-            "(int8 per channel, int4 groups of 32/64/128/256), or use a GGUF file (Q4_0, "
-            "Q4_1, Q4_K kept as int4; Q5_*, Q6_K, Q8_0 as int8; F16/BF16/F32 dense)")
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"{config_path!r}: mlp_bias=true is not supported")
-    try:
-        hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        max_len = int(cfg["max_position_embeddings"])
-        intermediate, layers = int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
-        vocab_size = int(cfg["vocab_size"])
-    except KeyError as exc:
-        raise ValueError(f"{config_path!r} lacks required key {exc.args[0]!r}") from None
-    _check_sliding_window(cfg, arch_name, max_len)
-    theta, scaling = _rope_settings(cfg)
-    gen_path = os.path.join(folder, "generation_config.json")
-    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
-    eos = _as_id_list(cfg.get("eos_token_id")) + _as_id_list(gen.get("eos_token_id"))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        max_position_embeddings=max_len,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
-        hidden_act=str(cfg.get("hidden_act", "silu")),
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-        source_format="hf",
-        quantization=None,
-    )
-
-
 def load_model_config(path: str) -> ModelConfig:
     """The :class:`ModelConfig` of an HF folder or a GGUF file, without reading any tensors."""
     if _is_gguf(path):
@@ -196,36 +77,11 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint for ``config`` must provide, with its shape (HF names)."""
-    h, d = config.hidden_size, config.head_dim
-    q_rows, kv_rows = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_rows, h),
-            p + "self_attn.k_proj.weight": (kv_rows, h),
-            p + "self_attn.v_proj.weight": (kv_rows, h),
-            p + "self_attn.o_proj.weight": (h, q_rows),
-            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
-            p + "mlp.up_proj.weight": (config.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, config.intermediate_size),
-        })
-        if config.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
-                           p + "self_attn.v_proj.bias": (kv_rows,)})
-            if config.architecture == "llama":   # Llama's attention_bias covers o_proj too
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if config.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-    return shapes
+    """Every tensor a checkpoint for ``config`` must provide, with its shape (HF names);
+    the family's model class says which (``models.registry``)."""
+    from llmserve.model.models.registry import expected_weight_shapes as family_shapes
+
+    return family_shapes(config)
 
 
 def _resolve_dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:

@@ -24,7 +24,7 @@ from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.loader import CheckpointSource
 from llmserve.model.logits_processors import LogitsAdjuster
-from llmserve.model.models.llama import LlamaForCausalLM
+from llmserve.model.models.registry import build_model
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
 from llmserve.model.prompt_logprobs import score_prompt_tokens
 from llmserve.model.quant import describe_quantization, select_linear_method
@@ -56,8 +56,8 @@ class ModelRunner:
         t0 = time.time()
         method = select_linear_method(cfg.quantization, cfg.quantization_group_size, mc,
                                       self.dtype, self.device)
-        self.model = LlamaForCausalLM(mc, self.backend, method, self.dtype,
-                                      self.device, max_positions=max_model_len + 1)
+        self.model = build_model(mc, self.backend, method, self.dtype, self.device,
+                                 max_positions=max_model_len + 1)
         with torch.inference_mode():
             self.model.load_weights(source.iter_weights(raw_gguf=method.wants_raw_gguf))
         self.model.eval()
@@ -83,7 +83,9 @@ class ModelRunner:
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else env_flag(
             "LLMSERVE_ENFORCE_EAGER")
         self.compiled: Optional[CompiledDecodeStep] = None
-        if not eager:
+        if not eager and self.model.compile_unsupported:
+            logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
+        elif not eager:
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
                                                self.buffers, cfg.max_num_seqs, self.device)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "

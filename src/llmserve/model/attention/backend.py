@@ -54,10 +54,23 @@ class GroupMetadata:
     query_index: Optional[torch.Tensor] = None   # prefill: (B*Qmax,) row of each padded query
     output_index: Optional[torch.Tensor] = None  # prefill: (N,) padded row of each real query
     max_query: int = 1
+    query_pos: Optional[torch.Tensor] = None     # (B, 1, Q, 1) position of each query
+    key_pos: Optional[torch.Tensor] = None       # (W * block_size,) position of each key
+    _windowed: dict = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:
         return self.query_index is None
+
+    def mask_for(self, window: Optional[int]) -> torch.Tensor:
+        """The group's mask, restricted to keys in ``(pos - window, pos]`` when ``window``."""
+        if window is None:
+            return self.mask
+        mask = self._windowed.get(window)
+        if mask is None:
+            mask = self.mask & (self.key_pos > self.query_pos - window)
+            self._windowed[window] = mask
+        return mask
 
 
 @dataclass
@@ -72,6 +85,20 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor] = None   # (Bd, W)
     decode_valid: Optional[torch.Tensor] = None          # (Bd, W * block_size) bool
     decode_slots: Optional[torch.Tensor] = None          # (Bd, W * block_size) long: cache rows
+    decode_context_lens: Optional[torch.Tensor] = None   # (Bd,) long
+    _windowed: dict = field(default_factory=dict)
+
+    def decode_valid_for(self, window: Optional[int]) -> torch.Tensor:
+        """``decode_valid`` restricted to the last ``window`` keys of each row when ``window``."""
+        if window is None:
+            return self.decode_valid
+        valid = self._windowed.get(window)
+        if valid is None:
+            keys = torch.arange(self.decode_valid.shape[1], device=self.decode_valid.device)
+            last = self.decode_context_lens.unsqueeze(1) - 1
+            valid = self.decode_valid & (keys.unsqueeze(0) > last - window)
+            self._windowed[window] = valid
+        return valid
 
 
 class AttentionBackend(ABC):
@@ -99,13 +126,18 @@ class AttentionBackend(ABC):
         slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
         return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decodes=b,
                                  decode_block_tables=block_tables, decode_valid=valid,
-                                 decode_slots=slots)
+                                 decode_slots=slots, decode_context_lens=context_lens)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """``q (T, H, D)``, new ``k``/``v (T, Hkv, D)`` -> attention output ``(T, H * D)``."""
+                scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
+        """``q (T, H, D)``, new ``k``/``v (T, Hkv, D)`` -> attention output ``(T, H * D)``.
+
+        ``window``: attend only to the last ``window`` positions (the query's own included);
+        ``softcap``: cap the scaled scores at ``softcap * tanh(s / softcap)``.
+        """
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,6 +145,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store the new tokens' K/V at their slots (cast to the cache dtype, or quantized)."""
     store_kv(k_cache, slot_mapping, k)
     store_kv(v_cache, slot_mapping, v)
+
+
+def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores: ``q (B, H, Q, D)``, ``keys/values (B, Hkv, L, D)``,
+    ``mask (B, 1, Q, L)`` bool -> ``(B, H, Q, D)``. Query heads share KV heads in groups of
+    ``H / Hkv`` (adjacent heads), as in SDPA's ``enable_gqa``."""
+    b, h, nq, d = q.shape
+    hkv = keys.shape[1]
+    q5 = q.reshape(b, hkv, h // hkv, nq, d)
+    scores = torch.matmul(q5, keys.unsqueeze(2).transpose(-1, -2)) * scale   # (B,Hkv,G,Q,L)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, values.unsqueeze(2)).reshape(b, h, nq, values.shape[-1])
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,

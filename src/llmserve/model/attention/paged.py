@@ -14,6 +14,8 @@ use the reference backend's grouped gather + SDPA.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from llmserve.model.attention.backend import AttentionMetadata, StepBatch, write_kv
@@ -22,8 +24,12 @@ from llmserve.model.quant.kv import load_kv
 
 
 def paged_decode_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q (B, H, D)`` against each sequence's cached rows ``slots (B, L)`` -> ``(B, H * D)``."""
+                         slots: torch.Tensor, valid: torch.Tensor, scale: float,
+                         softcap: Optional[float] = None) -> torch.Tensor:
+    """``q (B, H, D)`` against each sequence's cached rows ``slots (B, L)`` -> ``(B, H * D)``.
+
+    ``valid (B, L)`` masks keys (past the context, or outside a sliding window); ``softcap``
+    caps the scaled scores at ``softcap * tanh(s / softcap)`` before the mask."""
     b, h, d = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
@@ -31,6 +37,8 @@ def paged_decode_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qf = q.view(b, 1, hkv, g, d).float()
     keys = load_kv(k_cache[slots], torch.float32).unsqueeze(3)  # (B, L, Hkv, 1, D), fused load
     scores = (qf * keys).sum(-1) * scale                        # (B, L, Hkv, G)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid.view(b, length, 1, 1), float("-inf"))
     probs = torch.softmax(scores, dim=1)
     values = load_kv(v_cache[slots], torch.float32).unsqueeze(3)  # (B, L, Hkv, 1, D)
@@ -63,22 +71,26 @@ class PagedBackend(ReferenceBackend):
             meta.decode_block_tables = dec.decode_block_tables
             meta.decode_valid = dec.decode_valid
             meta.decode_slots = dec.decode_slots
+            meta.decode_context_lens = dec.decode_context_lens
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         outs = []
         nd = meta.num_decodes
         if nd:
             qd = q[:nd]
+            valid = meta.decode_valid_for(window)
             if torch.compiler.is_compiling():
                 outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
-                                                 meta.decode_valid, scale))
+                                                 valid, scale, softcap))
             else:
                 outs.append(decode_group_attention(qd, k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_valid, meta.block_size, scale))
+                                                   valid, meta.block_size, scale, softcap))
         if meta.groups:
-            outs.extend(self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups))
+            outs.extend(self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups,
+                                           window, softcap))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -12,11 +12,14 @@ are tested against, and the fallback for any step.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from llmserve.model.attention.backend import (
-    AttentionBackend, AttentionMetadata, GroupMetadata, StepBatch, gather_blocks, write_kv,
+    AttentionBackend, AttentionMetadata, GroupMetadata, StepBatch, capped_attention,
+    gather_blocks, write_kv,
 )
 
 
@@ -27,21 +30,26 @@ def group_key(query_len: int, table_width: int) -> tuple[int, int]:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+    """SDPA over ``q (B, H, Q, D)`` and ``keys/values (B, Hkv, L, D)``; soft-capped scores
+    take :func:`capped_attention` (SDPA cannot transform scores)."""
+    if softcap is not None:
+        return capped_attention(q, keys, values, mask, scale, softcap)
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
 
 
 def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_ids: torch.Tensor, valid: torch.Tensor, block_size: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, softcap: Optional[float] = None) -> torch.Tensor:
     """One query per sequence: the G query heads sharing a KV head act as G queries of it."""
     b, _ = block_ids.shape
     h, d = qg.shape[1], qg.shape[2]
     keys = gather_blocks(k_cache, block_ids, block_size, qg.dtype)      # (B, Hkv, L, D)
     values = gather_blocks(v_cache, block_ids, block_size, qg.dtype)
     hkv = keys.shape[1]
-    o = attend(qg.view(b, hkv, h // hkv, d), keys, values, valid.view(b, 1, 1, -1), scale)
+    o = attend(qg.view(b, hkv, h // hkv, d), keys, values, valid.view(b, 1, 1, -1), scale,
+               softcap)
     return o.reshape(b, h * d)
 
 
@@ -69,7 +77,9 @@ class ReferenceBackend(AttentionBackend):
             key_pos = torch.arange(w * bs, device=dev)
             if keys[i][0] == 0:
                 mask = (key_pos.unsqueeze(0) < ctx.unsqueeze(1)).view(j - i, 1, 1, -1)
-                groups.append(GroupMetadata(token, n_tok, bt[i:j, :w], mask))
+                groups.append(GroupMetadata(token, n_tok, bt[i:j, :w], mask,
+                                            query_pos=(ctx - 1).view(-1, 1, 1, 1),
+                                            key_pos=key_pos))
             else:
                 groups.append(self._prefill_group(bt[i:j, :w], qlens, ctx, token, n_tok, key_pos))
             token += n_tok
@@ -92,21 +102,25 @@ class ReferenceBackend(AttentionBackend):
         qpos = torch.where(valid, start.unsqueeze(1) + qi, 0)       # padded queries see key 0
         mask = (key_pos.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
         return GroupMetadata(token_start, num_tokens, block_ids, mask, query_index=query_index,
-                             output_index=output_index, max_query=qmax)
+                             output_index=output_index, max_query=qmax,
+                             query_pos=qpos.view(len(qlens), 1, qmax, 1), key_pos=key_pos)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.groups:   # decode-only metadata (compiled step)
             return decode_group_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_valid, meta.block_size, scale)
-        outs = self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups)
+                                          meta.decode_valid_for(window), meta.block_size, scale,
+                                          softcap)
+        outs = self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups, window, softcap)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def group_outputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float,
-                      groups: list[GroupMetadata]) -> list[torch.Tensor]:
+                      meta: AttentionMetadata, scale: float, groups: list[GroupMetadata],
+                      window: Optional[int] = None,
+                      softcap: Optional[float] = None) -> list[torch.Tensor]:
         """Attention output rows of each group, in order."""
         T, H, D = q.shape
         bs = meta.block_size
@@ -114,14 +128,15 @@ class ReferenceBackend(AttentionBackend):
         for g in groups:
             qg = q[g.token_start:g.token_start + g.num_tokens]
             b = g.block_ids.shape[0]
+            mask = g.mask_for(window)
             if g.is_decode:
                 outs.append(decode_group_attention(qg, k_cache, v_cache, g.block_ids,
-                                                   g.mask.view(b, -1), bs, scale))
+                                                   mask.view(b, -1), bs, scale, softcap))
                 continue
             keys = gather_blocks(k_cache, g.block_ids, bs, q.dtype)
             values = gather_blocks(v_cache, g.block_ids, bs, q.dtype)
             qp = qg.index_select(0, g.query_index).view(b, g.max_query, H, D).transpose(1, 2)
-            o = attend(qp, keys, values, g.mask, scale)              # (B, H, Qmax, D)
+            o = attend(qp, keys, values, mask, scale, softcap)       # (B, H, Qmax, D)
             o = o.transpose(1, 2).reshape(b * g.max_query, H * D)
             outs.append(o.index_select(0, g.output_index))
         return outs

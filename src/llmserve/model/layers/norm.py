@@ -1,4 +1,4 @@
-"""RMSNorm and the gated SiLU activation of Llama-family MLPs."""
+"""RMSNorm (plain and Gemma's ``1 + w`` form) and the gated activations of decoder MLPs."""
 from __future__ import annotations
 
 import torch
@@ -29,3 +29,37 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for a fused ``[gate | up]`` projection output."""
     gate, up = gate_up.chunk(2, -1)
     return F.silu(gate) * up
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` for a checkpoint weight ``w``.
+
+    The parameter holds ``1 + w`` (added once at load), so the forward pass is the plain
+    ``F.rms_norm`` and a fresh module (checkpoint ``w = 0``) is the identity scale.
+    """
+
+    def load(self, name: str, tensor: torch.Tensor, shard: object = None) -> None:
+        super().load(name, tensor.float() + 1.0)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU, Gemma's ``gelu_pytorch_tanh``) for ``[gate | up]``."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+#: HF ``hidden_act`` / ``hidden_activation`` names -> gated activation of a fused projection.
+GATED_ACTIVATIONS = {
+    "silu": silu_and_mul,
+    "swish": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+    "gelu_tanh": gelu_tanh_and_mul,
+}
+
+
+def gated_activation(name: str):
+    """The gated activation called ``name``; ValueError names the supported ones."""
+    if name not in GATED_ACTIVATIONS:
+        raise ValueError(f"hidden activation {name!r} is not supported; supported: "
+                         f"{sorted(GATED_ACTIVATIONS)}")
+    return GATED_ACTIVATIONS[name]

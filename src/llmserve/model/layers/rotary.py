@@ -1,4 +1,11 @@
-"""Rotary position embeddings, including Llama-3 frequency scaling.
+"""Rotary position embeddings, with Llama-3, linear and LongRoPE (Phi-3) frequency scaling.
+
+LongRoPE has two sets of per-frequency divisors: ``short_factor`` for contexts within the
+pretraining length ``original_max_position_embeddings`` and ``long_factor`` beyond it, and
+scales cos/sin by ``attention_factor`` (default ``sqrt(1 + ln(factor) / ln(original))``).
+Transformers switches sets per forward call by the sequence's length, which would leave keys
+cached under the other set; here the set is fixed per engine, like llama.cpp: long when the
+engine's context (the table's positions) exceeds the pretraining length, short otherwise.
 
 Q/K stay in Hugging Face's half-split layout (GGUF files are un-permuted to it at load), so
 checkpoints load without any row permutation.
@@ -12,8 +19,12 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with "llama3" / "linear" scaling applied."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
+                  context_len: Optional[int] = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with "llama3" / "linear" / "longrope" scaling applied.
+
+    ``context_len``: the longest context the engine serves (LongRoPE picks its factor set by it).
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq
@@ -22,6 +33,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind in ("longrope", "su"):
+        original = int(scaling["original_max_position_embeddings"])
+        use_long = context_len is not None and context_len > original
+        factors = scaling["long_factor" if use_long else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"longrope factors have {len(factors)} entries; head_dim "
+                             f"{head_dim} needs {head_dim // 2}")
+        return inv_freq / torch.tensor(factors, dtype=torch.float64)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -35,7 +54,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} "
+                     "(supported: default, linear, llama3, longrope)")
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """The factor cos and sin are multiplied by (LongRoPE's attention scaling; else 1)."""
+    if not scaling or scaling.get("rope_type") not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or 1.0)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,7 +77,8 @@ class RotaryEmbedding(nn.Module):
         x' = x cos(p w_i) - y sin(p w_i)        y' = y cos(p w_i) + x sin(p w_i)
 
     The table is ``(max_positions, head_dim)`` float32: cos in the first half, sin in the
-    second; one row lookup per token, real arithmetic only (compile-friendly).
+    second; one row lookup per token, real arithmetic only (compile-friendly). The runner
+    builds one spare row (``max_model_len + 1``), so the served context is ``max_positions - 1``.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -54,10 +86,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, context_len=max_positions - 1)
         pos = torch.arange(max_positions, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)
-        table = torch.cat([angles.cos(), angles.sin()], -1).to(torch.float32)
+        table = torch.cat([angles.cos(), angles.sin()], -1) * rope_attention_factor(scaling)
+        table = table.to(torch.float32)
         self.register_buffer("cos_sin", table.to(device), persistent=False)
         self.half = head_dim // 2
 
