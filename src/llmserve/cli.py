@@ -1,4 +1,5 @@
-"""The `llmserve` command line: generate, serve, eval, bench, kv-calc, export-hf, keys, billing."""
+"""The `llmserve` command line: generate, serve, engine, router, eval, bench, kv-calc, export-hf,
+keys, billing."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.async_llm import AsyncLLM
     from llmserve.server.launch import serve
 
+    if args.data_parallel_size > 1:
+        from llmserve.router.cli import cmd_serve_replicas
+
+        return cmd_serve_replicas(args, add_engine_args, server_limits_from_args)
     config = engine_config_from_args(args)
     engine = AsyncLLM.from_config(config)
     names = [args.served_model_name] if args.served_model_name else None
@@ -178,8 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a second engine (same engine flags) to serve as a fallback model")
     s.add_argument("--fallback-name", default=None,
                    help="served name of the fallback model (default: its model name)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (processes) behind this server's router (SCALING.md)")
+    s.add_argument("--replica-log-dir", default=None, help="log files of the replicas")
     add_server_limit_args(s)
+    from llmserve.router.cli import add_router_args, add_scale_commands
+
+    add_router_args(s)
     s.set_defaults(func=cmd_serve)
+    add_scale_commands(sub, add_engine_args, engine_config_from_args, add_server_limit_args,
+                       server_limits_from_args)
 
     from llmserve.eval.cli import add_eval_parser
     from llmserve.gateway.cli_commands import add_admin_commands
