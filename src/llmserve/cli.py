@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -51,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never compile the decode step (default: compile at start-up)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard every layer over N ranks (processes; gloo on CPU, NCCL on CUDA); "
+                        "under torchrun, ranks > 0 become workers (docs/SCALING.md)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -64,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_fraction=args.kv_cache_fraction,
         quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -95,6 +100,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.async_llm import AsyncLLM
     from llmserve.server.launch import serve
 
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        from llmserve.model.parallel.workers import run_worker_from_env
+
+        run_worker_from_env(engine_config_from_args(args))   # a torchrun rank > 0: no HTTP
+        return 0
     if args.data_parallel_size > 1:
         from llmserve.router.cli import cmd_serve_replicas
 
@@ -223,6 +233,9 @@ def _add_optional_commands(sub) -> None:
         return
     add_bench_subparsers(bsub)
     add_kv_calc_subparser(sub)
+    from llmserve.bench.routing import add_routing_bench_parser
+
+    add_routing_bench_parser(bsub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -34,8 +34,11 @@ class EngineConfig:
     num_threads: Optional[int] = None      # torch CPU threads; None: torch's default
     enforce_eager: Optional[bool] = None   # True: never compile; None: env LLMSERVE_ENFORCE_EAGER, else compile
     attention_backend: str = "auto"        # auto (paged) | paged | reference
+    tensor_parallel_size: int = 1          # ranks sharing each layer (model/parallel/)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:
