@@ -162,6 +162,14 @@ def init_tensor_parallel(config: EngineConfig, source: Any, max_model_len: int,
     None for a single-device engine."""
     if group is not None or config.tensor_parallel_size <= 1:
         return group
+    from llmserve.model.parallel.layers import check_shardable
+    from llmserve.model.platform import resolve_device, resolve_dtype
+    from llmserve.model.quant import select_linear_method
+
+    device = resolve_device(config.device)   # refuse what cannot be split before spawning
+    method = select_linear_method(config.quantization, config.quantization_group_size,
+                                  source.config, resolve_dtype(config.dtype, device), device)
+    check_shardable(source.config, config.tensor_parallel_size, method)
     if not config.num_threads and resolve_device_type(config) == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     return start_rank_zero(config, {"model_path": source.path, "max_model_len": max_model_len,
