@@ -10,6 +10,11 @@ The hit rate of a server is the growth of its fleet-wide ``llmserve_prefix_cache
 over ``llmserve_prefix_cache_queries`` during the run (read from ``/metrics`` before and
 after; the router sums its replicas' counters). Writes ``routing.json`` and
 ``routing.md`` (ratios against ``single``) to the output folder.
+
+``--kill-replica-after S`` SIGKILLs one replica of each data-parallel server S seconds
+into its run: requests that had not started streaming must still succeed (the router
+retries them once elsewhere); the table counts failures and how many of them came before
+the first token (which should be none).
 """
 from __future__ import annotations
 
@@ -18,8 +23,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
+from typing import Optional
 from pathlib import Path
 
 import httpx
@@ -38,6 +47,20 @@ def _prefix_counters(url: str) -> tuple[float, float]:
         if name in sums:
             sums[name] += float(line.rsplit(" ", 1)[1])
     return sums["llmserve_prefix_cache_hits_total"], sums["llmserve_prefix_cache_queries_total"]
+
+
+def _kill_one_replica(front_pid: int) -> Optional[int]:
+    """SIGKILL the first engine child of a data-parallel front; its pid, or None."""
+    try:
+        with open(f"/proc/{front_pid}/task/{front_pid}/children", encoding="ascii") as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        return None
+    if not children:
+        return None
+    os.kill(children[0], signal.SIGKILL)
+    logger.warning("killed engine replica pid %d of the front %d", children[0], front_pid)
+    return children[0]
 
 
 def server_specs(model: str, replicas: int, policies: list[str], serve_args: list[str]
@@ -73,14 +96,23 @@ def run_routing_bench(args: argparse.Namespace) -> dict:
             hits0, queries0 = _prefix_counters(proc.url)
             opts = dataclasses.replace(options, base_url=proc.url, model=None,
                                        output_dir=out_dir / spec.name)
+            timer = None
+            if args.kill_replica_after is not None and spec.name != "single":
+                timer = threading.Timer(args.kill_replica_after, _kill_one_replica,
+                                        (proc.proc.pid,))
+                timer.start()
             runs, _ = asyncio.run(execute_runs(opts, requests))
+            if timer is not None:
+                timer.cancel()
             time.sleep(2.5)   # the router polls replica counters about once a second
             hits1, queries1 = _prefix_counters(proc.url)
         m = runs[0]["metrics"]
+        failed = [r for r in runs[0]["requests"] if not r["success"]]
         queries = queries1 - queries0
         rows.append({"name": spec.name, "command": proc.command,
                      "hit_rate": (hits1 - hits0) / queries if queries else 0.0,
                      "completed": m["completed"], "failed": m["failed"],
+                     "failed_before_first_token": sum(r["ttft"] is None for r in failed),
                      "output_token_throughput": m["output_token_throughput"],
                      "request_throughput": m["request_throughput"],
                      "ttft_p50_ms": m["ttft_ms"]["p50"]})
@@ -103,14 +135,14 @@ def run_routing_bench(args: argparse.Namespace) -> dict:
 def render_markdown(doc: dict) -> str:
     """The comparison table (ratios against the single engine)."""
     lines = ["| server | prefix hit rate | vs single | out tok/s | vs single | "
-             "TTFT p50 ms | ok/failed |", "|---|---|---|---|---|---|---|"]
+             "TTFT p50 ms | ok/failed (before 1st token) |", "|---|---|---|---|---|---|---|"]
     for r in doc["servers"]:
         vs = r["hit_rate_vs_single"]
         lines.append(f"| {r['name']} | {r['hit_rate']:.3f} | "
                      f"{'-' if vs is None else f'{vs:.2f}'} | "
                      f"{r['output_token_throughput']:.1f} | {r['throughput_vs_single']:.2f} | "
                      f"{r['ttft_p50_ms'] if r['ttft_p50_ms'] is None else round(r['ttft_p50_ms'])}"
-                     f" | {r['completed']}/{r['failed']} |")
+                     f" | {r['completed']}/{r['failed']} ({r['failed_before_first_token']}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -130,11 +162,14 @@ def add_routing_bench_parser(bsub: "argparse._SubParsersAction") -> None:
                    help="comma-separated policies to compare (prefix, round-robin, least-loaded)")
     p.add_argument("--serve-args", default="", help="extra `serve` flags for every server")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--kill-replica-after", type=float, default=None, metavar="SECONDS",
+                   help="SIGKILL one engine replica of each data-parallel server this long "
+                        "into its run (requests not yet streaming must still succeed)")
 
     def handler(args: argparse.Namespace) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
         doc = run_routing_bench(args)
         sys.stdout.write(render_markdown(doc))
-        return 0 if all(r["failed"] == 0 for r in doc["servers"]) else 1
+        return 0 if all(r["failed_before_first_token"] == 0 for r in doc["servers"]) else 1
 
     p.set_defaults(func=handler)

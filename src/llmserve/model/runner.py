@@ -67,7 +67,8 @@ class ModelRunner:
             check_shardable(self.model_config, self.parallel.world_size, method)
             shard_model(self.model, self.model_config, self.parallel)
         with torch.inference_mode():
-            self.model.load_weights(source.iter_weights(raw_gguf=method.wants_raw_gguf))
+            self.model.load_weights(source.iter_weights(   # TP slices float tensors
+                raw_gguf=method.wants_raw_gguf and self.parallel is None))
         self.model.eval()
         self.weight_bytes = self.model.weight_bytes
         self.quantization = describe_quantization(self.model)

@@ -18,9 +18,11 @@ of the MLP width), so every ``Linear`` already has its shard's shape, then
   contiguous row ranges; the lookup zeroes foreign ids and all-reduces, the head's local
   logits are all-gathered (then cut to the real vocabulary) before sampling.
 
-Quantized linears shard when the split is group-aligned (int4: each rank's input columns
-a multiple of the group size); GGUF-packed weights (given raw) cannot be sliced and are
-refused with a message naming the flag to use.
+Quantized linears (int8, int4) shard too: each rank quantizes its float slice at load (a
+GGUF file is then read dequantized, never as raw blocks), and int4 splits must be
+group-aligned (each rank's input columns a multiple of the group size). Weights kept
+packed as stored in a GGUF file (``--quantization auto`` on a quantized GGUF in bf16)
+cannot be sliced and are refused with a message naming the flags to use.
 """
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ def check_shardable(cfg: ModelConfig, world_size: int, method: LinearMethod) -> 
     if cfg.intermediate_size % n:
         raise ValueError(f"--tensor-parallel-size {n} must divide intermediate_size "
                          f"({cfg.intermediate_size})")
-    if method.wants_raw_gguf:
+    from llmserve.model.quant.methods import GGUFLinearMethod
+
+    if isinstance(method, GGUFLinearMethod):
         raise ValueError("tensor parallelism cannot split GGUF-packed weights (--quantization "
                          "auto on a quantized GGUF file); use --quantization none, int8 or int4")
     group = getattr(method, "group_size", None)
