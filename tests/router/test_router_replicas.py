@@ -124,6 +124,22 @@ def test_fallback_to_least_loaded_when_the_preferred_replica_is_busy(engines):
         router.shutdown()
 
 
+def test_client_disconnect_aborts_on_the_replica_and_frees_its_kv(engines):
+    router, live = _front(engines, RoutingConfig())
+    try:
+        with httpx.stream("POST", live.url("/v1/completions"), timeout=60, json={
+                "model": "m", "prompt": _groups(6, 1)[0], "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as resp:
+            next(resp.iter_lines())
+        # the replica's engine aborts the request (counters are polled): its KV is freed
+        assert wait_until(lambda: _metric(live, "llmserve_request_aborted_total") == 1, 10, 0.1)
+        assert wait_until(lambda: _metric(live, "llmserve_num_requests_running") == 0
+                          and _metric(live, "llmserve_kv_cache_blocks_used") == 0, 10, 0.1)
+    finally:
+        live.stop()
+        router.shutdown()
+
+
 def test_ejection_and_readmission_of_a_stalled_replica(engines):
     router, live = _front(engines, RoutingConfig(policy="round-robin"))
     stalled = engines.procs[1]

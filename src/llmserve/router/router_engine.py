@@ -50,6 +50,7 @@ class RouterEngine:
         self.max_retries = max_retries
         self._rr = itertools.count()
         self._where: dict[str, Replica] = {}   # caller's request id -> replica serving it
+        self._abandoned: dict[str, Replica] = {}  # closed before finishing, not yet aborted
 
     @classmethod
     def connect(cls, urls: Sequence[str], *, token: Optional[str] = None,
@@ -118,7 +119,7 @@ class RouterEngine:
             budget = _OutstandingTokens(replica, self.replicas, len(prompt),
                                         (params.max_tokens or self.max_model_len) * params.n)
             self._where[request_id] = replica
-            streamed = False
+            streamed = ended = False
             try:
                 async for out in replica.client.generate(
                         prompt, params, request_id, priority=priority, cache_salt=cache_salt,
@@ -126,9 +127,12 @@ class RouterEngine:
                         is_healthy=lambda r=replica: r.admitted):
                     streamed = True
                     budget.consume(out)
+                    ended = out.finished
                     yield out
+                ended = True
                 return
             except ReplicaUnavailable as exc:
+                ended = True
                 self.replicas.record(replica, ok=False, reason=str(exc), eject_now=True)
                 if streamed:
                     raise
@@ -143,10 +147,14 @@ class RouterEngine:
                 budget.release()
                 if self._where.get(request_id) is replica:
                     del self._where[request_id]
+                    if not ended:   # cut short by the caller: keep where, for its abort()
+                        self._abandoned[request_id] = replica
+                        while len(self._abandoned) > 4096:
+                            self._abandoned.pop(next(iter(self._abandoned)))
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort on the replica serving ``request_id``; its final output, or None."""
-        replica = self._where.get(request_id)
+        replica = self._where.get(request_id) or self._abandoned.pop(request_id, None)
         if replica is None:
             return None
         return await replica.client.abort(request_id)
