@@ -6,6 +6,7 @@ fresh random prefixes, so earlier tests' cached blocks do not help it.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ from llmserve.gateway.hook import build_gateway
 from llmserve.router.engine_processes import EngineProcesses
 from llmserve.router.policy import RoutingConfig, affinity_key
 from llmserve.router.router_engine import RouterEngine
+from llmserve.sampling_params import SamplingParams
 from tests.gateway.gateway_server_helpers import auth, ledger_rows, write_config
 from tests.model.tiny_checkpoints import make_tiny_checkpoint
 from tests.server.conftest import LiveServer
@@ -124,15 +126,22 @@ def test_fallback_to_least_loaded_when_the_preferred_replica_is_busy(engines):
         router.shutdown()
 
 
-def test_client_disconnect_aborts_on_the_replica_and_frees_its_kv(engines):
+def test_abort_reaches_the_replica_and_frees_its_kv(engines):
     router, live = _front(engines, RoutingConfig())
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def start_then_cancel():
+        stream = router.generate(_groups(6, 1)[0], params, "cancel-me")
+        first = await stream.__anext__()
+        await stream.aclose()                       # the client went away
+        return first, await router.abort("cancel-me")
+
     try:
-        with httpx.stream("POST", live.url("/v1/completions"), timeout=60, json={
-                "model": "m", "prompt": _groups(6, 1)[0], "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True, "stream": True}) as resp:
-            next(resp.iter_lines())
-        # the replica's engine aborts the request (counters are polled): its KV is freed
-        assert wait_until(lambda: _metric(live, "llmserve_request_aborted_total") == 1, 10, 0.1)
+        first, final = asyncio.run(start_then_cancel())
+        assert first.outputs[0].token_ids
+        assert final is not None and final.outputs[0].finish_reason == "abort"
+        assert final.outputs[0].num_tokens < 400
+        assert wait_until(lambda: _metric(live, "llmserve_request_aborted_total") >= 1, 10, 0.1)
         assert wait_until(lambda: _metric(live, "llmserve_num_requests_running") == 0
                           and _metric(live, "llmserve_kv_cache_blocks_used") == 0, 10, 0.1)
     finally:

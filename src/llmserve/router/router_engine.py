@@ -14,11 +14,12 @@ counters are exported by :mod:`llmserve.router.metrics`.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from llmserve.protocol import EngineStats, RequestOutput
+from llmserve.protocol import EngineStats, RequestFailedError, RequestOutput
 from llmserve.router.policy import RoutingConfig, affinity_key, choose_replica
 from llmserve.router.replica_client import ReplicaClient, ReplicaUnavailable
 from llmserve.router.replica_set import Replica, ReplicaSet
@@ -50,7 +51,8 @@ class RouterEngine:
         self.max_retries = max_retries
         self._rr = itertools.count()
         self._where: dict[str, Replica] = {}   # caller's request id -> replica serving it
-        self._abandoned: dict[str, Replica] = {}  # closed before finishing, not yet aborted
+        self._cut_short: dict[str, Optional[RequestOutput]] = {}  # final outputs of streams
+        # closed before they finished, until the caller's abort() collects them
 
     @classmethod
     def connect(cls, urls: Sequence[str], *, token: Optional[str] = None,
@@ -120,17 +122,21 @@ class RouterEngine:
                                         (params.max_tokens or self.max_model_len) * params.n)
             self._where[request_id] = replica
             streamed = ended = False
+            stream = replica.client.generate(
+                prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                deadline=deadline, queue_deadline=queue_deadline,
+                is_healthy=lambda r=replica: r.admitted)
             try:
-                async for out in replica.client.generate(
-                        prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                        deadline=deadline, queue_deadline=queue_deadline,
-                        is_healthy=lambda r=replica: r.admitted):
+                async for out in stream:
                     streamed = True
                     budget.consume(out)
                     ended = out.finished
                     yield out
                 ended = True
                 return
+            except (ValueError, RequestFailedError):
+                ended = True   # the request's own failure: the replica already ended it
+                raise
             except ReplicaUnavailable as exc:
                 ended = True
                 self.replicas.record(replica, ok=False, reason=str(exc), eject_now=True)
@@ -145,16 +151,28 @@ class RouterEngine:
                                "retrying on another replica", request_id, replica.name, exc)
             finally:
                 budget.release()
+                if not ended:   # cut short by the caller: abort while the stream still lives
+                    await self._abort_cut_short(replica, request_id)
+                await stream.aclose()
                 if self._where.get(request_id) is replica:
                     del self._where[request_id]
-                    if not ended:   # cut short by the caller: keep where, for its abort()
-                        self._abandoned[request_id] = replica
-                        while len(self._abandoned) > 4096:
-                            self._abandoned.pop(next(iter(self._abandoned)))
+
+    async def _abort_cut_short(self, replica: Replica, request_id: str) -> None:
+        """Abort a request whose caller went away and keep its final output (its KV is
+        free by then) for the caller's :meth:`abort`, which bills from it."""
+        try:
+            final = await asyncio.wait_for(replica.client.abort(request_id), 10.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            final = None
+        self._cut_short[request_id] = final
+        while len(self._cut_short) > 4096:
+            self._cut_short.pop(next(iter(self._cut_short)))
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort on the replica serving ``request_id``; its final output, or None."""
-        replica = self._where.get(request_id) or self._abandoned.pop(request_id, None)
+        if request_id in self._cut_short:
+            return self._cut_short.pop(request_id)
+        replica = self._where.get(request_id)
         if replica is None:
             return None
         return await replica.client.abort(request_id)

@@ -86,10 +86,13 @@ def run_worker(rank: int, world_size: int, local_rank: int, config: EngineConfig
             runner.capture_all_logits = capture_all
             try:
                 runner.execute(step)
-            except Exception as exc:  # noqa: BLE001 - rank 0 meets the same error and reports it
-                logger.debug("step failed on rank %d: %r", rank, exc)
-    except Exception as exc:  # noqa: BLE001 - the group broke (rank 0 gone): exit
-        logger.error("rank %d leaves: %r", rank, exc)
+            except (ValueError, OverflowError) as exc:
+                # the step's own input: rank 0 fails on it at the same point and reports it
+                logger.debug("step refused on rank %d: %r", rank, exc)
+    except Exception as exc:  # noqa: BLE001 - anything else breaks the group: leave it, so
+        # rank 0 sees this rank die (its pending collective fails) instead of waiting
+        logger.exception("rank %d failed and leaves the group: %r", rank, exc)
+        raise SystemExit(1) from exc
     finally:
         group.shutdown()
 
