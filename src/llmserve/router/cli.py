@@ -129,6 +129,11 @@ def cmd_engine(args: argparse.Namespace, config_from_args: Callable) -> int:
     from llmserve.async_llm import AsyncLLM
     from llmserve.router.engine_service import create_engine_app
 
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        from llmserve.model.parallel.workers import run_worker_from_env
+
+        run_worker_from_env(config_from_args(args))   # a torchrun rank > 0: no HTTP
+        return 0
     token = args.engine_token or os.environ.get(TOKEN_ENV)
     if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("engine API on %s without a token: anyone who reaches the port can "
