@@ -37,6 +37,11 @@ NO_TORCH_MODULES = [
     "llmserve.eval.presets",
     "llmserve.eval.cli",
     "llmserve.eval.report",
+    "llmserve.router.router_engine",
+    "llmserve.router.engine_service",
+    "llmserve.router.metrics",
+    "llmserve.router.engine_processes",
+    "llmserve.router.cli",
 ]
 
 

@@ -74,7 +74,8 @@ class AsyncLLM:
 
     # ---- client side ----------------------------------------------------------------------
     def is_ready(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return (self._dead is None and self._thread.is_alive()
+                and getattr(self.engine.runner, "healthy", True))  # e.g. a TP worker died
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -132,6 +133,8 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        if not getattr(self.engine.runner, "healthy", True):
+            raise EngineDeadError("a tensor-parallel worker died; the engine cannot run steps")
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort a running request by the caller's id and wait until the engine thread has
@@ -170,6 +173,9 @@ class AsyncLLM:
         self._commands.put(("wake",))
         self._thread.join(timeout)
         self.engine.grammars.shutdown()
+        stop_workers = getattr(self.engine.runner, "shutdown", None)
+        if callable(stop_workers):   # tensor-parallel workers: stop and reap them
+            stop_workers()
 
     # ---- engine thread --------------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:

@@ -1,8 +1,10 @@
-"""The `llmserve` command line: generate, serve, eval, bench, kv-calc, export-hf, keys, billing."""
+"""The `llmserve` command line: generate, serve, engine, router, eval, bench, kv-calc, export-hf,
+keys, billing."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -69,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-speculative-adaptive", dest="speculative_adaptive",
                    action="store_false", help="always draft k tokens (no per-request "
                    "back-off on low acceptance)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard every layer over N ranks (processes; gloo on CPU, NCCL on CUDA); "
+                        "under torchrun, ranks > 0 become workers (docs/SCALING.md)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -88,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_quantization=args.draft_quantization,
         speculative_max_batch=args.speculative_max_batch,
         speculative_adaptive=args.speculative_adaptive,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -119,6 +125,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.async_llm import AsyncLLM
     from llmserve.server.launch import serve
 
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        from llmserve.model.parallel.workers import run_worker_from_env
+
+        run_worker_from_env(engine_config_from_args(args))   # a torchrun rank > 0: no HTTP
+        return 0
+    if args.data_parallel_size > 1:
+        from llmserve.router.cli import cmd_serve_replicas
+
+        return cmd_serve_replicas(args, add_engine_args, server_limits_from_args)
     config = engine_config_from_args(args)
     engine = AsyncLLM.from_config(config)
     names = [args.served_model_name] if args.served_model_name else None
@@ -203,8 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a second engine (same engine flags) to serve as a fallback model")
     s.add_argument("--fallback-name", default=None,
                    help="served name of the fallback model (default: its model name)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (processes) behind this server's router (SCALING.md)")
+    s.add_argument("--replica-log-dir", default=None, help="log files of the replicas")
     add_server_limit_args(s)
+    from llmserve.router.cli import add_router_args, add_scale_commands
+
+    add_router_args(s)
     s.set_defaults(func=cmd_serve)
+    add_scale_commands(sub, add_engine_args, engine_config_from_args, add_server_limit_args,
+                       server_limits_from_args)
 
     from llmserve.eval.cli import add_eval_parser
     from llmserve.gateway.cli_commands import add_admin_commands
@@ -235,6 +258,9 @@ def _add_optional_commands(sub) -> None:
         return
     add_bench_subparsers(bsub)
     add_kv_calc_subparser(sub)
+    from llmserve.bench.routing import add_routing_bench_parser
+
+    add_routing_bench_parser(bsub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

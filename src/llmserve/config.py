@@ -43,8 +43,11 @@ class EngineConfig:
     draft_quantization: str = "auto"       # draft weights: auto | none | int8 | int4
     speculative_max_batch: int = 16        # no speculation while more sequences run
     speculative_adaptive: bool = True      # per-request k from its acceptance rate
+    tensor_parallel_size: int = 1          # ranks sharing each layer (model/parallel/)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:

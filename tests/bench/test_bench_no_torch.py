@@ -11,7 +11,7 @@ import pytest
 _SCRIPT = """
 import sys
 sys.modules["torch"] = None          # any `import torch` now raises ImportError
-import llmserve.bench.cli, llmserve.bench.compare, llmserve.bench.runner
+import llmserve.bench.cli, llmserve.bench.compare, llmserve.bench.routing, llmserve.bench.runner
 import llmserve.bench.kv_calc as kv
 from llmserve.bench.workloads import WhitespaceTokenizer, random_workload
 assert random_workload(WhitespaceTokenizer(), 2, 5, 3)[0].input_len == 5

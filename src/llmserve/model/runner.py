@@ -25,6 +25,9 @@ from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.loader import CheckpointSource
 from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.models.registry import build_model
+from llmserve.model.parallel.group import TensorParallelGroup
+from llmserve.model.parallel.layers import check_shardable, local_config, shard_model
+from llmserve.model.parallel.workers import broadcast_step, init_tensor_parallel
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
 from llmserve.model.prompt_logprobs import score_prompt_tokens
 from llmserve.model.quant import describe_quantization, select_linear_method
@@ -39,17 +42,22 @@ class ModelRunner:
 
     def __init__(self, engine_config: EngineConfig, source: CheckpointSource, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(),
-                 sample_vocab_size: Optional[int] = None) -> None:
+                 sample_vocab_size: Optional[int] = None,
+                 parallel: Optional[TensorParallelGroup] = None) -> None:
         cfg = engine_config
         self.config = cfg
         self.model_config: ModelConfig = source.config
-        self.device = resolve_device(cfg.device)
+        # tensor parallelism (model/parallel/): this rank's group, or None
+        self.parallel = init_tensor_parallel(cfg, source, max_model_len, eos_token_ids,
+                                             sample_vocab_size, parallel)
+        self.device = self.parallel.device if self.parallel else resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.block_size = cfg.block_size
-        mc = self.model_config
+        mc = local_config(self.model_config, self.parallel.world_size) if self.parallel \
+            else self.model_config
         backend_name = "paged" if cfg.attention_backend == "auto" else cfg.attention_backend
         self.backend = make_backend(backend_name, mc.num_attention_heads, mc.num_key_value_heads,
                                     mc.head_dim, cfg.block_size)
@@ -58,14 +66,20 @@ class ModelRunner:
                                       self.dtype, self.device)
         self.model = build_model(mc, self.backend, method, self.dtype, self.device,
                                  max_positions=max_model_len + 1)
+        if self.parallel:
+            check_shardable(self.model_config, self.parallel.world_size, method)
+            shard_model(self.model, self.model_config, self.parallel)
         with torch.inference_mode():
-            self.model.load_weights(source.iter_weights(raw_gguf=method.wants_raw_gguf))
+            self.model.load_weights(source.iter_weights(   # TP slices float tensors
+                raw_gguf=method.wants_raw_gguf and self.parallel is None))
         self.model.eval()
         self.weight_bytes = self.model.weight_bytes
         self.quantization = describe_quantization(self.model)
         logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
                     str(self.dtype).replace("torch.", ""), self.quantization, time.time() - t0)
         self.num_blocks = plan_num_blocks(cfg, mc, self.kv_dtype, self.device, max_model_len)
+        if self.parallel:   # block tables index every rank's pool: one size for all
+            self.num_blocks = self.parallel.agree_min(self.num_blocks)
         self.kv = KVCachePool(mc, self.num_blocks, cfg.block_size, self.kv_dtype, self.device)
         self.kv_caches = self.kv.caches
         max_blocks = -(-max_model_len // cfg.block_size)
@@ -74,7 +88,7 @@ class ModelRunner:
                                     scratch_block=self.kv.scratch_block, device=self.device)
         self.sampler = Sampler(seed=cfg.seed)
         # logits past the tokenizer's vocabulary (checkpoint padding) are cut off before sampling
-        self.sample_vocab_size = sample_vocab_size or mc.vocab_size
+        self.sample_vocab_size = sample_vocab_size or self.model_config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
         self.adjuster = LogitsAdjuster(self.device)   # logit_bias and grammar masks
@@ -85,7 +99,7 @@ class ModelRunner:
         self.compiled: Optional[CompiledDecodeStep] = None
         if not eager and self.model.compile_unsupported:
             logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
-        elif not eager:
+        elif not eager and self.parallel is None:   # collectives stay outside compiled graphs
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
                                                self.buffers, cfg.max_num_seqs, self.device)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
@@ -101,6 +115,16 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         return self.kv.bytes_per_token
+
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel worker died (no step can run any more)."""
+        return self.parallel is None or self.parallel.healthy
+
+    def shutdown(self) -> None:
+        """Stop and reap the tensor-parallel workers (no-op on a single device)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def warmup(self) -> None:
         """Compile the decode step for every batch bucket now (else on first use)."""
@@ -118,6 +142,7 @@ class ModelRunner:
             return StepOutput()
         for rid in step.finished_request_ids:
             self.release(rid)
+        broadcast_step(self.parallel, step, self.capture_all_logits)
         order = self._order(step)
         compiled = (self.compiled is not None and not self.capture_all_logits
                     and not step.prompt_logprob_targets and step.is_decode_only and self.compiled.accepts(step.num_seqs))
@@ -189,6 +214,8 @@ class ModelRunner:
                       else self.model.compute_logits(hidden.index_select(0, rows)))
         else:
             logits = logits[:len(sampled)]
+        if self.parallel is not None and self.parallel.rank != 0:
+            return out   # workers only join the collectives; rank 0 samples
         if self.sample_vocab_size < logits.shape[-1]:
             logits = logits[:, :self.sample_vocab_size]
         if self.capture_logits:

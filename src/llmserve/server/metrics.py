@@ -217,6 +217,9 @@ class ServerMetrics:
                                  LABELS, registry=reg).labels(*lv)
         self._engine_stats = EngineStatsCollector(engine, lv)
         reg.register(self._engine_stats)
+        extra = getattr(engine, "metrics_collector", None)  # e.g. a router's per-replica series
+        if callable(extra):
+            reg.register(extra())
         self._install_admission_metrics(engine)
 
     def _install_admission_metrics(self, engine: Any) -> None:

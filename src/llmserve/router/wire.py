@@ -1,0 +1,150 @@
+"""JSON forms of what crosses the router <-> engine-process link (no torch, no HTTP).
+
+The router front keeps the OpenAI protocol, the gateway and billing; an engine process
+only runs requests. Between them travel token ids, sampling parameters, streamed
+``RequestOutput`` increments, ``EngineStats`` snapshots and, once at connect time, the
+tokenizer (so the front tokenizes and renders chat templates exactly as the engine would).
+
+Dataclasses are converted field by field from their declared fields, so fields other
+work adds to ``SamplingParams`` or ``EngineStats`` travel without changes here (they must
+hold JSON values).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+from llmserve.protocol import (CompletionOutput, EngineStats, RequestFailedError, RequestMetrics,
+                               RequestOutput, TokenLogprob, TopLogprob)
+from llmserve.sampling_params import SamplingParams
+
+#: Bumped when a message changes incompatibly; the router refuses an engine of another one.
+WIRE_VERSION = 1
+
+
+def _init_fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """The constructor arguments of ``params``."""
+    out = {name: getattr(params, name) for name in _init_fields(SamplingParams)}
+    if out.get("stop") is not None and not isinstance(out["stop"], str):
+        out["stop"] = list(out["stop"])
+    return out
+
+
+def params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from :func:`params_to_dict`; unknown keys are a ValueError."""
+    if not isinstance(data, dict):
+        raise ValueError("params must be a JSON object")
+    unknown = set(data) - set(_init_fields(SamplingParams))
+    if unknown:
+        raise ValueError(f"unknown sampling parameters {sorted(unknown)} (engine and router "
+                         "run different llmserve versions?)")
+    return SamplingParams(**data)
+
+
+def _logprobs_to_list(items: Optional[list[TokenLogprob]]) -> Optional[list[dict]]:
+    if items is None:
+        return None
+    return [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob,
+             "top": [[x.token_id, x.token, x.logprob] for x in t.top_logprobs]} for t in items]
+
+
+def _logprobs_from_list(items: Optional[list[dict]]) -> Optional[list[TokenLogprob]]:
+    if items is None:
+        return None
+    return [TokenLogprob(t["token_id"], t["token"], t["logprob"],
+                         [TopLogprob(a, b, c) for a, b, c in t["top"]]) for t in items]
+
+
+def output_to_dict(out: RequestOutput) -> dict[str, Any]:
+    """One streamed increment (``error`` is sent separately, see :func:`error_to_dict`)."""
+    return {
+        "request_id": out.request_id, "prompt": out.prompt,
+        "prompt_token_ids": list(out.prompt_token_ids), "finished": out.finished,
+        "num_cached_tokens": out.num_cached_tokens,
+        "metrics": dataclasses.asdict(out.metrics) if out.metrics is not None else None,
+        "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                     "logprobs": _logprobs_to_list(c.logprobs), "num_tokens": c.num_tokens}
+                    for c in out.outputs],
+    }
+
+
+def output_from_dict(data: dict[str, Any]) -> RequestOutput:
+    """The RequestOutput of :func:`output_to_dict`."""
+    metrics = RequestMetrics(**data["metrics"]) if data.get("metrics") else None
+    outputs = [CompletionOutput(index=c["index"], text=c["text"], token_ids=c["token_ids"],
+                                finish_reason=c["finish_reason"], stop_reason=c["stop_reason"],
+                                logprobs=_logprobs_from_list(c["logprobs"]),
+                                num_tokens=c["num_tokens"]) for c in data["outputs"]]
+    return RequestOutput(request_id=data["request_id"], prompt=data["prompt"],
+                         prompt_token_ids=data["prompt_token_ids"], outputs=outputs,
+                         finished=data["finished"], num_cached_tokens=data["num_cached_tokens"],
+                         metrics=metrics)
+
+
+def error_to_dict(exc: BaseException) -> dict[str, Any]:
+    """An error event: ``kind`` is ``invalid`` (ValueError: the caller's input),
+    ``request_failed`` (the model step failed on this request alone) or ``engine``
+    (the engine cannot serve: dead, shutting down, or an unexpected failure)."""
+    if isinstance(exc, RequestFailedError):
+        return {"kind": "request_failed", "message": str(exc), "error_id": exc.error_id,
+                "input_error": exc.input_error}
+    if isinstance(exc, ValueError):
+        return {"kind": "invalid", "message": str(exc)}
+    return {"kind": "engine", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def stats_to_dict(stats: EngineStats) -> dict[str, Any]:
+    return dataclasses.asdict(stats)
+
+
+def stats_from_dict(data: dict[str, Any]) -> EngineStats:
+    known = {f.name for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**{k: v for k, v in data.items() if k in known})
+
+
+def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
+    """Counters, gauges and per-tenant dicts summed over replicas (the high-water mark too:
+    it is then an upper bound of the fleet's simultaneous use)."""
+    total = EngineStats()
+    for s in snapshots:
+        for f in dataclasses.fields(EngineStats):
+            mine, theirs = getattr(total, f.name), getattr(s, f.name)
+            if isinstance(mine, dict):
+                for key, value in theirs.items():
+                    mine[key] = mine.get(key, 0) + value
+            elif f.name == "kv_bytes_per_token" or f.name == "weight_bytes":
+                setattr(total, f.name, max(mine, theirs))   # per replica, not additive
+            elif isinstance(mine, (int, float)):
+                setattr(total, f.name, mine + theirs)
+    return total
+
+
+def tokenizer_to_dict(tokenizer: Any) -> dict[str, Any]:
+    """Everything needed to rebuild ``llmserve.tokenizer.Tokenizer`` elsewhere."""
+    return {"backend": tokenizer.backend.to_str(), "special_tokens": tokenizer.special_tokens,
+            "add_bos_token": tokenizer.add_bos_token, "add_eos_token": tokenizer.add_eos_token,
+            "chat_template": tokenizer.chat_template,
+            "eos_token_ids": sorted(tokenizer.eos_token_ids)}
+
+
+def tokenizer_from_dict(data: dict[str, Any]) -> Any:
+    """The Tokenizer of :func:`tokenizer_to_dict` (same fingerprint as the original)."""
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from llmserve.tokenizer import Tokenizer
+
+    return Tokenizer(BackendTokenizer.from_str(data["backend"]), **data["special_tokens"],
+                     add_bos_token=data["add_bos_token"], add_eos_token=data["add_eos_token"],
+                     chat_template=data["chat_template"],
+                     extra_eos_token_ids=data["eos_token_ids"])
+
+
+def encode_line(event: dict[str, Any]) -> bytes:
+    """One newline-delimited JSON event of a generate stream."""
+    return (json.dumps(event, separators=(",", ":")) + "\n").encode()
