@@ -84,10 +84,11 @@ def create_engine_app(engine: Any, token: Optional[str] = None) -> FastAPI:
         in_flight.add(request_id)
         stream = None
         try:
+            extra = {"prediction": body["prediction"]} if body.get("prediction") else {}
             stream = engine.generate(prompt, params, request_id, priority=body.get("priority"),
                                      cache_salt=body.get("cache_salt"),
                                      deadline=body.get("deadline"),
-                                     queue_deadline=body.get("queue_deadline"))
+                                     queue_deadline=body.get("queue_deadline"), **extra)
             async for out in stream:
                 yield encode_line({"output": output_to_dict(out)})
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router as an event

@@ -78,12 +78,14 @@ class ReplicaClient:
                        is_healthy: Callable[[], bool], priority: Any = None,
                        cache_salt: Optional[str] = None, deadline: Optional[float] = None,
                        queue_deadline: Optional[float] = None,
+                       prediction: Optional[str] = None,
                        check_every_s: float = 0.5) -> AsyncIterator[RequestOutput]:
         """Stream the request's increments; ``is_healthy`` is checked while the stream is
         quiet, so a replica ejected by the health checker fails its streams at once."""
         body = {"request_id": request_id, "prompt": list(prompt),
                 "params": params_to_dict(params), "priority": priority,
-                "cache_salt": cache_salt, "deadline": deadline, "queue_deadline": queue_deadline}
+                "cache_salt": cache_salt, "deadline": deadline, "queue_deadline": queue_deadline,
+                "prediction": prediction}
         lines: asyncio.Queue = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_lines(body, lines))
         try:

@@ -106,7 +106,8 @@ class RouterEngine:
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str, *,
                        priority: Any = None, cache_salt: Optional[str] = None,
                        deadline: Optional[float] = None,
-                       queue_deadline: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       queue_deadline: Optional[float] = None,
+                       prediction: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Stream the request from the chosen replica (retried once elsewhere when that
         replica fails before the first increment)."""
         if isinstance(prompt, str):
@@ -124,7 +125,7 @@ class RouterEngine:
             streamed = ended = False
             stream = replica.client.generate(
                 prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                deadline=deadline, queue_deadline=queue_deadline,
+                deadline=deadline, queue_deadline=queue_deadline, prediction=prediction,
                 is_healthy=lambda r=replica: r.admitted)
             try:
                 async for out in stream:

@@ -6,8 +6,9 @@ only runs requests. Between them travel token ids, sampling parameters, streamed
 tokenizer (so the front tokenizes and renders chat templates exactly as the engine would).
 
 Dataclasses are converted field by field from their declared fields, so fields other
-work adds to ``SamplingParams`` or ``EngineStats`` travel without changes here (they must
-hold JSON values).
+work adds to ``SamplingParams`` or ``EngineStats`` travel without changes here when they
+hold JSON values; the two that do not (``logit_bias``: int keys, ``structured_output``: a
+dataclass) are converted explicitly.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, Optional
 from llmserve.protocol import (CompletionOutput, EngineStats, RequestFailedError, RequestMetrics,
                                RequestOutput, TokenLogprob, TopLogprob)
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.spec import StructuredOutputSpec
 
 #: Bumped when a message changes incompatibly; the router refuses an engine of another one.
 WIRE_VERSION = 1
@@ -32,6 +34,11 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     out = {name: getattr(params, name) for name in _init_fields(SamplingParams)}
     if out.get("stop") is not None and not isinstance(out["stop"], str):
         out["stop"] = list(out["stop"])
+    if out.get("logit_bias"):
+        out["logit_bias"] = [[int(t), float(b)] for t, b in out["logit_bias"].items()]
+    spec = out.get("structured_output")
+    if spec is not None:   # the constraint, never the engine's compiled grammar
+        out["structured_output"] = {"kind": spec.kind, "value": spec.value}
     return out
 
 
@@ -43,6 +50,12 @@ def params_from_dict(data: dict[str, Any]) -> SamplingParams:
     if unknown:
         raise ValueError(f"unknown sampling parameters {sorted(unknown)} (engine and router "
                          "run different llmserve versions?)")
+    data = dict(data)
+    if data.get("logit_bias"):
+        data["logit_bias"] = {int(t): float(b) for t, b in data["logit_bias"]}
+    spec = data.get("structured_output")
+    if spec is not None:
+        data["structured_output"] = StructuredOutputSpec(kind=spec["kind"], value=spec["value"])
     return SamplingParams(**data)
 
 
@@ -67,9 +80,13 @@ def output_to_dict(out: RequestOutput) -> dict[str, Any]:
         "prompt_token_ids": list(out.prompt_token_ids), "finished": out.finished,
         "num_cached_tokens": out.num_cached_tokens,
         "metrics": dataclasses.asdict(out.metrics) if out.metrics is not None else None,
+        "prompt_logprobs": (None if out.prompt_logprobs is None else
+                            [None] + (_logprobs_to_list(out.prompt_logprobs[1:]) or [])),
         "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                     "logprobs": _logprobs_to_list(c.logprobs), "num_tokens": c.num_tokens}
+                     "logprobs": _logprobs_to_list(c.logprobs), "num_tokens": c.num_tokens,
+                     "accepted_prediction_tokens": c.accepted_prediction_tokens,
+                     "rejected_prediction_tokens": c.rejected_prediction_tokens}
                     for c in out.outputs],
     }
 
@@ -80,11 +97,17 @@ def output_from_dict(data: dict[str, Any]) -> RequestOutput:
     outputs = [CompletionOutput(index=c["index"], text=c["text"], token_ids=c["token_ids"],
                                 finish_reason=c["finish_reason"], stop_reason=c["stop_reason"],
                                 logprobs=_logprobs_from_list(c["logprobs"]),
-                                num_tokens=c["num_tokens"]) for c in data["outputs"]]
+                                num_tokens=c["num_tokens"],
+                                accepted_prediction_tokens=c.get("accepted_prediction_tokens"),
+                                rejected_prediction_tokens=c.get("rejected_prediction_tokens"))
+               for c in data["outputs"]]
+    prompt_lps = data.get("prompt_logprobs")
+    if prompt_lps is not None:
+        prompt_lps = [None] + (_logprobs_from_list(prompt_lps[1:]) or [])
     return RequestOutput(request_id=data["request_id"], prompt=data["prompt"],
                          prompt_token_ids=data["prompt_token_ids"], outputs=outputs,
                          finished=data["finished"], num_cached_tokens=data["num_cached_tokens"],
-                         metrics=metrics)
+                         metrics=metrics, prompt_logprobs=prompt_lps)
 
 
 def error_to_dict(exc: BaseException) -> dict[str, Any]:
