@@ -72,6 +72,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    cache: Optional[bool] = None          # false: never served from / stored in the response cache
 
     def check_common(self) -> None:
         """Checks that pydantic types cannot express; raises OpenAIError (400)."""
@@ -163,6 +164,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    prompt_bundle: Optional[str] = None   # "name@version" or "name": messages put first (gateway)
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""
