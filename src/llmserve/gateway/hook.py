@@ -35,7 +35,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional
 
 from llmserve.gateway.admin import AdminAPI
 from llmserve.gateway.admission import QueueTicket, parse_request_timeout
