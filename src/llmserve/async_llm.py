@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from llmserve.config import EngineConfig
 from llmserve.llm_engine import LLMEngine, PromptType
@@ -166,6 +166,41 @@ class AsyncLLM:
                 confirm.set_result(None)
         return confirm
 
+    # ---- cache operations (run on the engine thread, between steps) ----------------------
+    async def call_on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` on the engine thread between steps; its result (or
+        exception) comes back here."""
+        self._check_alive()
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, args, done))
+        if self._closed and not done.done():
+            done.set_exception(EngineDeadError("the engine is shut down"))
+        return await done
+
+    async def pin_prefix(self, pin_id: str, token_ids: Sequence[int], cache_salt: Optional[str],
+                         max_blocks: Optional[int] = None) -> int:
+        """Pin the cached blocks of a prefilled prefix (LLMEngine.pin_prefix)."""
+        return await self.call_on_engine(LLMEngine.pin_prefix, pin_id, list(token_ids),
+                                         cache_salt, max_blocks)
+
+    async def unpin_prefix(self, pin_id: str) -> int:
+        """Release a pin (LLMEngine.unpin_prefix)."""
+        return await self.call_on_engine(LLMEngine.unpin_prefix, pin_id)
+
+    async def flush_prefix_cache(self, namespace: Optional[str] = None, *,
+                                 with_children: bool = False) -> int:
+        """Forget cached prefixes, all or one namespace's (LLMEngine.reset_prefix_cache)."""
+        return await self.call_on_engine(
+            lambda engine: engine.reset_prefix_cache(namespace, with_children=with_children))
+
+    async def cache_stats(self) -> dict:
+        """The prefix cache's blocks, pins and hit counters (LLMEngine.cache_stats)."""
+        return await self.call_on_engine(LLMEngine.cache_stats)
+
+    async def set_cache_audit_rate(self, rate: float) -> None:
+        """Share of prefix hits written to the ``llmserve.cache_audit`` log."""
+        await self.call_on_engine(LLMEngine.set_cache_audit_rate, rate)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine thread; every open stream ends with EngineDeadError."""
         self._closed = True
@@ -194,13 +229,23 @@ class AsyncLLM:
                 self._deliver(out)
             if len(cmd) > 2:  # the caller waits for the confirmation
                 self._resolve(cmd[2], out)
+        elif kind == "call":
+            _, fn, args, done = cmd
+            try:
+                self._resolve(done, fn(self.engine, *args))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error
+                self._resolve(done, exc, failed=True)
 
     @staticmethod
-    def _resolve(future: "asyncio.Future", value: object) -> None:
-        """Resolve an event-loop future from the engine thread (if still pending)."""
+    def _resolve(future: "asyncio.Future", value: object, failed: bool = False) -> None:
+        """Resolve an event-loop future from the engine thread (if still pending);
+        ``failed``: ``value`` is an exception to raise there."""
         def settle() -> None:
             if not future.done():
-                future.set_result(value)
+                if failed:
+                    future.set_exception(value)  # type: ignore[arg-type]
+                else:
+                    future.set_result(value)
         try:
             future.get_loop().call_soon_threadsafe(settle)
         except RuntimeError:  # the event loop is closed
@@ -253,6 +298,13 @@ class AsyncLLM:
                 stream.put(err)
             for confirm in list(self._aborting.values()):  # nobody left to abort anything
                 self._resolve(confirm, None)
+            while True:  # cache operations still queued: nobody will run them
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "call":
+                    self._resolve(cmd[3], err, failed=True)
 
     def _audit_when_idle(self, every_s: float = 30.0) -> None:
         """While idle, check the KV ledger now and then: every block free, none lost."""

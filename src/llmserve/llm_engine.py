@@ -281,8 +281,60 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
 
-    def reset_prefix_cache(self, namespace: Optional[str] = None) -> int:
-        return self.kv.reset_prefix_cache(namespace, all_namespaces=namespace is None)
+    def reset_prefix_cache(self, namespace: Optional[str] = None, *,
+                           with_children: bool = False) -> int:
+        """Forget cached prefixes: all, or one namespace's (``with_children``: and its
+        ``namespace|...`` sub-namespaces). Pinned blocks keep their hashes. Returns how
+        many block hashes were dropped."""
+        return self.kv.reset_prefix_cache(namespace, all_namespaces=namespace is None,
+                                          with_children=with_children, keep_pinned=True)
+
+    # ---- pinned prefixes and cache stats (call on the engine thread) -------------------
+    @property
+    def pin_limit_blocks(self) -> int:
+        """Most blocks pins may hold at once: the pool minus one full-length request, so
+        a request of ``max_model_len`` tokens always fits."""
+        return max(0, self.kv.num_blocks - self.kv.blocks_needed(self.max_model_len))
+
+    def pin_prefix(self, pin_id: str, token_ids: Sequence[int], cache_salt: Optional[str],
+                   max_blocks: Optional[int] = None) -> int:
+        """Pin the cached full blocks of ``token_ids`` (namespace ``cache_salt``), at most
+        ``max_blocks`` and within :attr:`pin_limit_blocks`; returns how many were pinned."""
+        pins = self.kv.pins
+        room = self.pin_limit_blocks - pins.num_pinned_blocks + len(pins.blocks_of(pin_id))
+        cap = max(0, room) if max_blocks is None else max(0, min(room, max_blocks))
+        return pins.pin(pin_id, token_ids, self.kv.root(cache_salt), cap)
+
+    def unpin_prefix(self, pin_id: str) -> int:
+        """Release a pin; returns how many blocks it held (0 for an unknown id)."""
+        return self.kv.pins.unpin(pin_id)
+
+    def set_cache_audit_rate(self, rate: float) -> None:
+        """Share of prefix-cache hits written to the ``llmserve.cache_audit`` log."""
+        self.kv.hit_audit.set_sample_rate(rate)
+
+    def cache_stats(self) -> dict:
+        """Blocks used / cached / pinned, cached blocks and hit counters by namespace,
+        the pins, and the hit audit's counters (JSON-ready)."""
+        kv, prefix = self.kv, self.scheduler.prefix
+        by_namespace: dict[str, int] = {}
+        for block in kv.pool.cached.values():
+            key = block.namespace or ""
+            by_namespace[key] = by_namespace.get(key, 0) + 1
+        audit = kv.hit_audit
+        return {
+            "blocks_total": kv.num_blocks, "blocks_used": kv.num_used_blocks,
+            "blocks_free": kv.num_free_blocks, "blocks_cached": len(kv.pool.cached),
+            "blocks_pinned": kv.pins.num_pinned_blocks, "pin_limit_blocks": self.pin_limit_blocks,
+            "block_size": kv.block_size,
+            "pins": {pin_id: len(ids) for pin_id, ids in kv.pins.items()},
+            "cached_blocks_by_namespace": by_namespace,
+            "prefix_tokens_by_namespace": {
+                ns: {"queried": q, "hit": prefix.hit_by_tenant.get(ns, 0)}
+                for ns, q in prefix.query_by_tenant.items()},
+            "audit": {"sample_rate": audit.sample_rate, "hits": audit.hits,
+                      "logged": audit.logged, "wrong_namespace_hits": audit.cross_namespace_hits},
+        }
 
 
 def _model_name(path: str) -> str:

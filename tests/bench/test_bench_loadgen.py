@@ -160,3 +160,29 @@ def test_stream_one_resends_once_after_a_stale_connection(failures, ok):
         assert record.usage_completion_tokens == 2 and len(record.arrival_times) == 2
     else:
         assert record.error == "connection"
+
+
+def test_multi_turn_sends_the_servers_real_answer_back(fake_server, tmp_path):
+    from llmserve.bench.metrics import RequestRecord, turn_reuse
+    from llmserve.bench.workloads import WhitespaceTokenizer, build_workload
+
+    specs = build_workload("multi-turn", WhitespaceTokenizer(), num_prompts=4, input_len=5,
+                           output_len=3, num_turns=2)
+    assert [(s.conversation_id, s.turn, s.extra["follow_up"]) for s in specs] == \
+        [(0, 0, False), (1, 0, False), (0, 1, True), (1, 1, True)]
+    with fake_server() as srv:
+        result = asyncio.run(run_load(srv.url, specs, endpoint="chat", progress=False))
+        bodies = srv.server.config.app.state.bench["bodies"]
+    assert all(r.success for r in result.records)
+    first = next(r for r in result.records if (r.conversation_id, r.turn) == (0, 0))
+    follow = next(b for b in bodies if len(b["messages"]) == 4
+                  and b["messages"][0]["content"] == "Conversation 0.")
+    assert follow["messages"][2] == {"role": "assistant", "content": "".join(first.reply_text)}
+    assert follow["messages"][3] == specs[2].messages[0]
+    recs = [RequestRecord("a", 10, success=True, end_time=1.0, usage_prompt_tokens=10,
+                          usage_completion_tokens=6, conversation_id=0, turn=0),
+            RequestRecord("b", 5, success=True, end_time=1.0, usage_prompt_tokens=20,
+                          usage_completion_tokens=2, usage_cached_tokens=16,
+                          conversation_id=0, turn=1)]
+    assert turn_reuse(recs) == [{"turn": 1, "conversations": 1, "cached_tokens": 16,
+                                 "previous_context_tokens": 16, "coverage": 1.0}]

@@ -4,7 +4,9 @@ Every request is sent with ``stream=true`` and ``stream_options={"include_usage"
 to ``/v1/completions`` (``endpoint="completions"``) or ``/v1/chat/completions``
 (``endpoint="chat"``). Arrivals follow a Poisson process at ``request_rate`` requests/s
 (``inf``: all at once), capped at ``max_concurrency`` requests in flight. A chat turn is
-not sent before the previous turn of its conversation finished.
+not sent before the previous turn of its conversation finished. In the ``multi-turn``
+workload (chat endpoint) a turn's messages are the previous turn's messages, the
+server's actual answer to it, and the turn's new user message.
 
 What counts as an arrival, how tokens are counted and what makes a request fail is
 defined in :mod:`llmserve.bench.metrics`. Timestamps are taken when a TCP chunk is read,
@@ -194,9 +196,14 @@ def _apply_event(data: str, now: float, record: RequestRecord) -> tuple[bool, bo
             record.usage_completion_tokens = usage["completion_tokens"]
         if isinstance(usage.get("prompt_tokens"), int):
             record.usage_prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.usage_cached_tokens = details["cached_tokens"]
     choices = [c for c in obj.get("choices") or [] if isinstance(c, dict)]
-    if any(_content_of(c) for c in choices):
+    texts = [_content_of(c) for c in choices]
+    if any(texts):
         record.arrival_times.append(now)
+        record.reply_text.extend(t for t in texts if t)
     return False, any(c.get("finish_reason") for c in choices)
 
 
@@ -283,12 +290,17 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], *, model: Option
         payloads = [build_payload(s, model, endpoint, ignore_eos=ignore_eos,
                                   temperature=temperature, extra_body=extra_body) for s in specs]
 
+        history: dict[Optional[int], list[dict]] = {}   # multi-turn: the real conversation
+
         async def one(i: int) -> None:
             spec, record = specs[i], records[i]
             try:
                 prev = turn_done.get((spec.conversation_id, (spec.turn or 0) - 1))
                 if prev is not None:
                     await prev.wait()
+                if spec.extra.get("follow_up") and endpoint == "chat":
+                    payloads[i] = dict(payloads[i], messages=history.get(
+                        spec.conversation_id, []) + list(spec.messages))
                 async with sem:
                     try:
                         await asyncio.wait_for(stream_one(client, url, payloads[i], record),
@@ -296,6 +308,9 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], *, model: Option
                     except asyncio.TimeoutError:
                         record.success, record.error = False, "timeout"
                         record.end_time = time.perf_counter() - record.send_time
+                if spec.extra.get("follow_up") is not None and endpoint == "chat":
+                    history[spec.conversation_id] = list(payloads[i]["messages"]) + [
+                        {"role": "assistant", "content": "".join(record.reply_text)}]
             finally:
                 event = turn_done.get((spec.conversation_id, spec.turn))
                 if event is not None:

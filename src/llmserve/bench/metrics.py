@@ -64,6 +64,8 @@ class RequestRecord:
     expected_output_len: Optional[int] = None
     conversation_id: Optional[int] = None
     turn: Optional[int] = None
+    usage_cached_tokens: Optional[int] = None   # usage.prompt_tokens_details.cached_tokens
+    reply_text: list[str] = field(default_factory=list)  # the streamed answer (multi-turn)
 
     @property
     def output_tokens(self) -> int:
@@ -122,6 +124,7 @@ class RequestRecord:
             "expected_output_len": self.expected_output_len,
             "usage_reported": self.usage_completion_tokens is not None,
             "conversation_id": self.conversation_id, "turn": self.turn,
+            "cached_tokens": self.usage_cached_tokens,
             "send_time": r(self.send_time), "ttft": r(self.ttft), "tpot": r(self.tpot),
             "e2e": r(self.e2e), "itl": [round(x, 6) for x in self.itls],
         }
@@ -265,6 +268,7 @@ def compute_metrics(
         "goodput_fraction": good / len(records) if records else 0.0,
         "errors": errors_by_key(records),
         "by_input_len": [],
+        "turn_reuse": turn_reuse(records),
     }
     groups: dict[tuple[float, float], list[RequestRecord]] = {}
     for r in records:
@@ -281,6 +285,25 @@ def compute_metrics(
             "errors": errors_by_key(rs), **_latency_block(rs),
         })
     return out
+
+
+def turn_reuse(records: Sequence[RequestRecord]) -> list[dict]:
+    """Per turn k >= 1 of multi-turn conversations: the prefix-cache tokens the server
+    reported against the previous turn's prompt + answer (``coverage`` = their ratio,
+    summed over conversations). Empty without conversations or cached-token usage."""
+    by_key = {(r.conversation_id, r.turn): r for r in records
+              if r.conversation_id is not None and r.turn is not None and r.success}
+    per_turn: dict[int, list[int]] = {}
+    for (conv, turn), r in by_key.items():
+        prev = by_key.get((conv, turn - 1))
+        if turn < 1 or prev is None or r.usage_cached_tokens is None:
+            continue
+        acc = per_turn.setdefault(turn, [0, 0, 0])
+        acc[0] += 1
+        acc[1] += r.usage_cached_tokens
+        acc[2] += prev.prompt_tokens + prev.output_tokens
+    return [{"turn": t, "conversations": n, "cached_tokens": c, "previous_context_tokens": p,
+             "coverage": c / p if p else None} for t, (n, c, p) in sorted(per_turn.items())]
 
 
 def concurrency_throughput_series(

@@ -7,7 +7,7 @@ Results JSON (``results.json``), ``schema_version`` 1::
       "tool": "llmserve bench serve",
       "created": "2025-01-01T00:00:00+00:00",       # UTC, ISO 8601
       "base_url": "http://127.0.0.1:8000", "model": "...", "endpoint": "completions"|"chat",
-      "workload": {"name": "random"|"shared-prefix"|"chat"|"jsonl", "num_prompts": N,
+      "workload": {"name": "random"|"shared-prefix"|"chat"|"multi-turn"|"jsonl", "num_prompts": N,
                    "input_len": .., "output_len": .., "range_ratio": .., "num_groups": ..,
                    "prefix_len": .., "num_turns": .., "dataset": .., "seed": ..,
                    "tokenizer": "<class name>", "mean_input_len": .., "mean_output_len": ..},
@@ -94,6 +94,10 @@ def summary_table(m: dict) -> str:
         ("Total token throughput (tok/s)", fmt(m["total_token_throughput"])),
         ("Total input / output tokens", f"{m['total_input_tokens']} / {m['total_output_tokens']}"),
     ]
+    for t in m.get("turn_reuse") or []:
+        cover = "-" if t["coverage"] is None else f"{100 * t['coverage']:.1f}%"
+        rows.append((f"Turn {t['turn']}: cached / previous prompt + answer tokens",
+                     f"{t['cached_tokens']} / {t['previous_context_tokens']} ({cover})"))
     if m.get("slo"):
         slo = ", ".join(f"{k}<={fmt(v, 0)}" for k, v in m["slo"].items())
         rows.append((f"Goodput (req/s, {slo})", fmt(m["goodput"], 3)))

@@ -22,6 +22,12 @@ Workloads:
   under a grammar mask; the schema never forces the output to end, so ``ignore_eos``
   runs keep their exact output length. Compare with ``random`` at the same seed and
   lengths for the cost of the masks.
+* ``multi-turn``: conversations whose later turns carry the server's real answers (use
+  with ``--endpoint chat``): turn 0 is a system message + a user message of
+  ``input_len`` tokens; each later turn sends the previous turn's messages, the answer
+  the server streamed back, and a new user message (the load generator builds it), so
+  the prefix cache can serve turn k its whole history. ``turn_reuse`` in the results
+  reports turn k's cached tokens against turn k-1's prompt + answer.
 * ``jsonl``: one JSON object per line with ``prompt`` (string) or ``messages`` (chat list),
   and optionally ``max_tokens``/``output_len``; lines are cycled to ``num_prompts``.
 
@@ -42,7 +48,8 @@ from typing import Optional, Protocol
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("random", "shared-prefix", "chat", "json-schema", "jsonl", "extractive")
+WORKLOADS = ("random", "shared-prefix", "chat", "multi-turn", "json-schema", "jsonl",
+             "extractive")
 
 #: The schema of the json-schema workload: records without a bound, so never forced to end.
 BENCH_JSON_SCHEMA = {
@@ -292,6 +299,31 @@ def chat_workload(tokenizer: TextTokenizer, num_prompts: int, num_turns: int, in
     return ordered[:num_prompts]
 
 
+def multi_turn_workload(tokenizer: TextTokenizer, num_prompts: int, num_turns: int,
+                        input_len: int, output_len: int, seed: int = 0) -> list[RequestSpec]:
+    """ceil(N / turns) conversations of ``num_turns`` turns (see the module docstring);
+    a later turn's ``messages`` hold only its new user message (``extra["follow_up"]``)."""
+    _check_counts(num_prompts=num_prompts, num_turns=num_turns, input_len=input_len,
+                  output_len=output_len)
+    rng = random.Random(seed)
+    builder = PromptBuilder(tokenizer, seed)
+    num_convs = -(-num_prompts // num_turns)
+    per_conv = []
+    for c in range(num_convs):
+        turns = []
+        for t in range(num_turns):
+            user, n = builder.text(rng, input_len)
+            messages = [{"role": "user", "content": user}]
+            if t == 0:
+                messages.insert(0, {"role": "system", "content": f"Conversation {c}."})
+            turns.append(RequestSpec(f"multi-c{c}-t{t}", render_chat_as_text(messages), messages,
+                                     n, output_len, conversation_id=c, turn=t,
+                                     extra={"follow_up": t > 0}))
+        per_conv.append(turns)
+    ordered = [per_conv[c][t] for t in range(num_turns) for c in range(num_convs)]
+    return ordered[:num_prompts]
+
+
 def jsonl_workload(path: str, tokenizer: TextTokenizer, num_prompts: Optional[int],
                    output_len: int, seed: int = 0, shuffle: bool = False) -> list[RequestSpec]:
     """Prompts from a JSONL file (see module docstring); ``num_prompts`` None: every line."""
@@ -351,6 +383,8 @@ def build_workload(name: str, tokenizer: TextTokenizer, *, num_prompts: int, inp
             s.request_id = s.request_id.replace("random", "json-schema", 1)
             s.extra["structured_outputs"] = {"json": BENCH_JSON_SCHEMA}   # chat and completions
         return specs
+    if name == "multi-turn":
+        return multi_turn_workload(tokenizer, num_prompts, num_turns, input_len, output_len, seed)
     if name == "jsonl":
         if not dataset:
             raise ValueError("the jsonl workload needs --dataset PATH")

@@ -10,6 +10,12 @@ Every block is in exactly one of three states::
 
 Allocation pops from the head (evicting the hash of a cached block); freeing appends at
 the tail; a prefix hit on a free cached block unlinks it from the middle. All O(1).
+
+Pins (prompt bundles) are an extra owner: ``pin`` takes one reference per block and
+records it in ``pin_refs``, so a pinned block is never in the free queue and never
+evicted; ``unpin`` gives the references back. A cached block remembers the hash it was
+chained from (``parent_hash``: the previous block's hash or the namespace root), so the
+ledger check can verify that no chain crosses namespaces.
 """
 from __future__ import annotations
 
@@ -21,13 +27,14 @@ from llmserve.engine.block_hash import BlockHash
 class KVBlock:
     """Metadata of one KV block; its tensors live in the model runner at index ``block_id``."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "namespace", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "namespace", "parent_hash", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Optional[BlockHash] = None
         self.namespace: Optional[str] = None  # tenant salt of a cached block
+        self.parent_hash: Optional[BlockHash] = None  # the hash its own hash was chained from
         self.prev: Optional[KVBlock] = None
         self.next: Optional[KVBlock] = None
 
@@ -94,6 +101,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.pin_refs: dict[int, int] = {}   # block id -> references held by pins
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,7 +148,28 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, namespace: Optional[str]) -> None:
+    def pin(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a pin reference on each block (it leaves the free queue; never evicted)."""
+        blocks = list(blocks)
+        self.touch(blocks)
+        for block in blocks:
+            self.pin_refs[block.block_id] = self.pin_refs.get(block.block_id, 0) + 1
+
+    def unpin(self, blocks: Iterable[KVBlock]) -> None:
+        """Give back one pin reference on each block (pass them last-first)."""
+        blocks = list(blocks)
+        for block in blocks:
+            held = self.pin_refs.get(block.block_id, 0)
+            if held <= 0:
+                raise RuntimeError(f"unpin of {block}, which holds no pin")
+            if held == 1:
+                del self.pin_refs[block.block_id]
+            else:
+                self.pin_refs[block.block_id] = held - 1
+        self.free(blocks)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, namespace: Optional[str],
+                    parent_hash: Optional[BlockHash] = None) -> None:
         """Register a full block under its chained hash (first writer wins)."""
         if not self.enable_caching or block.block_hash is not None:
             return
@@ -148,6 +177,7 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         block.namespace = namespace
+        block.parent_hash = parent_hash
         self.cached[block_hash] = block
 
     def uncache(self, blocks: Iterable[KVBlock]) -> int:
@@ -164,12 +194,21 @@ class BlockPool:
             del self.cached[block.block_hash]
         block.block_hash = None
         block.namespace = None
+        block.parent_hash = None
 
-    def reset_cache(self, namespace: Optional[str] = None, all_namespaces: bool = True) -> int:
-        """Forget cached hashes (all, or one tenant's). Contents of blocks in use are untouched."""
+    def reset_cache(self, namespace: Optional[str] = None, all_namespaces: bool = True, *,
+                    with_children: bool = False, keep_pinned: bool = False) -> int:
+        """Forget cached hashes (all, or one namespace's; ``with_children`` also drops the
+        namespaces ``namespace + "|..."`` under it; ``keep_pinned`` spares pinned blocks).
+        Contents of blocks in use are untouched. Returns how many hashes were dropped."""
+        child = f"{namespace}|"
         dropped = 0
         for block in list(self.cached.values()):
-            if all_namespaces or block.namespace == namespace:
+            if keep_pinned and block.block_id in self.pin_refs:
+                continue
+            ns = block.namespace
+            if all_namespaces or ns == namespace or (
+                    with_children and ns is not None and ns.startswith(child)):
                 self._drop_hash(block)
                 dropped += 1
         return dropped

@@ -12,6 +12,8 @@ current step, in the cache::
     reads it, so a hit in the same step is safe.
 
 Ledger: `blocks_of(request_id)`, pool totals, `high_water`, and `check_invariants()`.
+Pins (`pins`, engine/prefix_pins.py) are owners too; `hit_audit` (engine/cache_audit.py)
+logs a sample of prefix hits.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from typing import Iterable, Optional
 
 from llmserve.engine.block_hash import BlockHash, extend_block_hashes, namespace_hash
 from llmserve.engine.block_pool import BlockPool, KVBlock
+from llmserve.engine.cache_audit import HitAudit, check_chain_namespaces
+from llmserve.engine.prefix_pins import PrefixPins
 from llmserve.engine.request import Request
 
 
@@ -47,6 +51,8 @@ class KVCacheManager:
         self._req_num_registered: dict[str, int] = {}
         self._roots: dict[Optional[str], BlockHash] = {}
         self.high_water = 0
+        self.pins = PrefixPins(self.pool, block_size)
+        self.hit_audit = HitAudit()
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -73,6 +79,10 @@ class KVCacheManager:
         return {rid: [b.block_id for b in bl] for rid, bl in self._req_blocks.items()}
 
     # ---- prefix cache -------------------------------------------------------------------
+    def root(self, salt: Optional[str]) -> BlockHash:
+        """The hash-chain root of a namespace (engine fingerprint + cache salt)."""
+        return self._root(salt)
+
     def _root(self, salt: Optional[str]) -> BlockHash:
         root = self._roots.get(salt)
         if root is None:
@@ -153,8 +163,10 @@ class KVCacheManager:
             start = self._req_num_registered.get(rid, 0)
             if num_full > start:
                 self._hash_upto(request, total)
+                hashes = request.block_hashes
                 for i in range(start, num_full):
-                    self.pool.cache_block(blocks[i], request.block_hashes[i], request.cache_salt)
+                    parent = hashes[i - 1] if i else self._root(request.cache_salt)
+                    self.pool.cache_block(blocks[i], hashes[i], request.cache_salt, parent)
                 self._req_num_registered[rid] = num_full
         used = self.pool.num_used_blocks
         if used > self.high_water:
@@ -192,9 +204,18 @@ class KVCacheManager:
         says, e.g. a failed step never wrote it); owners keep them. Returns how many."""
         return self.pool.uncache(self.pool.blocks[i] for i in block_ids)
 
-    def reset_prefix_cache(self, namespace: Optional[str] = None, *, all_namespaces: bool = True) -> int:
-        """Forget cached prefixes (all, or one tenant's); blocks in use keep their contents."""
-        return self.pool.reset_cache(namespace, all_namespaces=all_namespaces)
+    def reset_prefix_cache(self, namespace: Optional[str] = None, *, all_namespaces: bool = True,
+                           with_children: bool = False, keep_pinned: bool = False) -> int:
+        """Forget cached prefixes (all, or one namespace's, ``with_children`` its
+        ``namespace|...`` sub-namespaces too; ``keep_pinned`` spares pinned blocks);
+        blocks in use keep their contents. Returns how many hashes were dropped."""
+        return self.pool.reset_cache(namespace, all_namespaces=all_namespaces,
+                                     with_children=with_children, keep_pinned=keep_pinned)
+
+    def record_hit(self, request: Request, blocks: list[KVBlock]) -> None:
+        """A request's first prefix lookup found ``blocks`` (for the sampled hit audit)."""
+        if blocks:
+            self.hit_audit.record(request.request_id, request.cache_salt, blocks)
 
     # ---- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -210,6 +231,12 @@ class KVCacheManager:
             if len(set(ids)) != len(ids):
                 raise KVLedgerError(f"request {rid} holds a block twice: {ids}")
             owners.update(ids)
+        pin_refs: Counter[int] = Counter()
+        for _pin, ids in self.pins.items():
+            pin_refs.update(ids)
+        if dict(pin_refs) != self.pool.pin_refs:
+            raise KVLedgerError(f"pin table {dict(pin_refs)} != pool pin refs {self.pool.pin_refs}")
+        owners.update(pin_refs)
         free_ids = [b.block_id for b in self.pool.free_queue]
         if len(free_ids) != self.pool.free_queue.num_free:
             raise KVLedgerError("free-queue length counter disagrees with its links")
@@ -229,3 +256,9 @@ class KVCacheManager:
         for h, block in self.pool.cached.items():
             if block.block_hash != h:
                 raise KVLedgerError(f"cache map entry disagrees with {block}")
+        roots = {root: salt for salt, root in self._roots.items()}
+        for ns in {b.namespace for b in self.pool.cached.values()}:
+            roots[namespace_hash(self.fingerprint, ns)] = ns
+        wrong = check_chain_namespaces(self.pool, roots)
+        if wrong is not None:
+            raise KVLedgerError(wrong)

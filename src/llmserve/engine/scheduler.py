@@ -211,6 +211,7 @@ class Scheduler:
                     # hits after a preemption are recomputation, not prefix-cache hits
                     request.num_cached_tokens = num_cached
                     self.prefix.record(request.cache_salt, request.num_prompt_tokens, num_cached)
+                    self.kv.record_hit(request, cached)
                     request.metrics.first_scheduled_time = now
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING

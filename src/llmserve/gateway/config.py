@@ -19,6 +19,10 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from llmserve.gateway.config_caches import (AdminConfig, CacheAuditConfig, PromptBundleConfig,
+                                            ResponseCacheConfig, non_negative_int, parse_admin,
+                                            parse_cache_audit, parse_prompt_bundles,
+                                            parse_response_cache)
 from llmserve.gateway.config_fields import (Section, boolean, fraction, identifier, mapping,
                                             parse_toml, positive_int, positive_number, string,
                                             string_list)
@@ -79,6 +83,8 @@ class TenantConfig:
     max_concurrent: Optional[int] = None        # requests in flight at once; None: unlimited
     shared_prefix: bool = False                 # opt in to a shared prefix-cache namespace
     cache_namespace: Optional[str] = None       # that namespace's name (default "public")
+    response_cache: bool = False                # opt in to the response cache
+    bundle_pinned_blocks: Optional[int] = None  # KV pinning budget; None: prompt_bundles' default
 
     def allows_model(self, model: str) -> bool:
         """True when ``model`` matches one of the tenant's ``models`` patterns."""
@@ -125,6 +131,16 @@ class GatewayConfig:
     auth_required: bool = True
     max_tokens_reservation: int = DEFAULT_MAX_TOKENS_RESERVATION  # per choice, without max_tokens
     server: ServerLimits = ServerLimits()
+    admin: Optional[AdminConfig] = None          # None: no admin key, admin endpoints 403
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    prompt_bundles: PromptBundleConfig = PromptBundleConfig()
+    cache_audit: CacheAuditConfig = CacheAuditConfig()
+
+    def bundle_budget(self, tenant: TenantConfig) -> int:
+        """The tenant's KV pinning budget for prompt bundles, in blocks."""
+        if tenant.bundle_pinned_blocks is not None:
+            return tenant.bundle_pinned_blocks
+        return self.prompt_bundles.pinned_blocks_per_tenant
 
     @classmethod
     def load(cls, path: "str | os.PathLike[str]") -> "GatewayConfig":
@@ -165,10 +181,25 @@ class GatewayConfig:
         server = _parse_server(root.take("server", mapping, {}))
         models = _parse_models(root.take("models", mapping, {}))
         tenants = _parse_tenants(root.take("tenants", mapping, None))
+        admin = parse_admin(root.take("admin", mapping, None))
+        response_cache = parse_response_cache(root.take("response_cache", mapping, None))
+        bundles = parse_prompt_bundles(root.take("prompt_bundles", mapping, None))
+        audit = parse_cache_audit(root.take("cache_audit", mapping, None))
         root.finish()
+        if response_cache.store == "sqlite" and database is None and any(
+                t.response_cache for t in tenants.values()):
+            raise ValueError("response_cache.store: 'sqlite' needs a `database` "
+                             "(or set store: memory)")
+        if admin is not None:
+            taken = {h: t.name for t in tenants.values() for h in t.key_hashes}
+            for i, key_hash in enumerate(admin.key_hashes):
+                if key_hash in taken:
+                    raise ValueError(f"admin.keys[{i}]: the same key is tenant "
+                                     f"{taken[key_hash]!r}'s; an admin key must be its own")
         return cls(tenants=tenants, models=models, queue=queue, request_timeout_s=request_timeout_s,
                    database=database, idempotency_ttl_s=idempotency_ttl_s, auth_required=True,
-                   max_tokens_reservation=reservation, server=server)
+                   max_tokens_reservation=reservation, server=server, admin=admin,
+                   response_cache=response_cache, prompt_bundles=bundles, cache_audit=audit)
 
     @classmethod
     def open_default(cls, database: Optional[str] = None) -> "GatewayConfig":
@@ -309,6 +340,8 @@ def _parse_tenant(name: str, section: Section) -> TenantConfig:
         max_concurrent=section.take("max_concurrent", positive_int, None),
         shared_prefix=shared_prefix,
         cache_namespace=cache_namespace,
+        response_cache=section.take("response_cache", boolean, False),
+        bundle_pinned_blocks=section.take("bundle_pinned_blocks", non_negative_int, None),
     )
     section.finish()
     return tenant

@@ -35,9 +35,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional
 
+from llmserve.gateway.admin import AdminAPI
 from llmserve.gateway.admission import QueueTicket, parse_request_timeout
+from llmserve.gateway.cache_hooks import GatewayCaches, RequestCaches
+from llmserve.gateway.cache_metrics import CacheMetricsCollector
 from llmserve.gateway.auth import Authenticator
 from llmserve.gateway.billing import CLIENT_CLOSED_STATUS, usage_record, write_outcome
 from llmserve.gateway.config import GatewayConfig, TenantConfig
@@ -46,12 +49,15 @@ from llmserve.gateway.idempotency import (BeginOutcome, IdempotencyStore, Period
                                           hash_request_body, validate_idempotency_key)
 from llmserve.gateway.kv_admission import KVCommitment
 from llmserve.gateway.ledger import BillingLedger
+from llmserve.gateway.response_cache import CACHE_HEADER
+from llmserve.gateway.response_store import CachedResponse
 from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter, estimate_tokens_from_bytes
 from llmserve.gateway.routing import ModelRouter
 from llmserve.gateway.request_log import log_request_summary
 from llmserve.protocol import priority_value
 from llmserve.server.errors import OpenAIError
-from llmserve.server.gateway_hook import CapturedResponse, RequestContext, RequestOutcome
+from llmserve.server.gateway_hook import (CapturedResponse, ExtraRoute, RequestContext,
+                                          RequestOutcome)
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("llmserve.requests")
@@ -91,6 +97,7 @@ class _RequestState:
     queue_time_s: Optional[float] = None
     first_output_at: Optional[float] = None
     served_model: Optional[str] = None
+    caches: Optional[RequestCaches] = None
 
     def release(self) -> None:
         """Leave the queue and give back the committed KV blocks (idempotent)."""
@@ -110,18 +117,23 @@ class TenantGateway:
         store: idempotency store, or None (an ``Idempotency-Key`` header is then a 400).
         limiter: per-tenant rate limiter (a fresh one by default).
         purge_interval_s: how often expired idempotency records are deleted.
+        caches: prompt bundles and the response cache (default: bundles in memory, no
+            response cache; ``build_gateway`` builds them from the config).
     """
 
     def __init__(self, config: GatewayConfig, models: Mapping[str, Any], *,
                  ledger: Optional[BillingLedger] = None, store: Optional[IdempotencyStore] = None,
                  limiter: Optional[TenantRateLimiter] = None,
-                 purge_interval_s: float = PURGE_INTERVAL_S) -> None:
+                 purge_interval_s: float = PURGE_INTERVAL_S,
+                 caches: Optional[GatewayCaches] = None) -> None:
         self.config = config
         self.auth = Authenticator(config)
         self.limiter = limiter or TenantRateLimiter()
         self.ledger = ledger
         self.store = store
         self.router = ModelRouter(config, models, self.auth)
+        self.caches = caches or GatewayCaches(config, self.router)
+        self.admin = AdminAPI(config, self.auth, self.caches)
         self._purger = None
         if store is not None:
             self._purger = PeriodicTask(store.purge_expired, purge_interval_s,
@@ -150,20 +162,22 @@ class TenantGateway:
                                                   estimate_tokens_from_bytes(ctx.body_bytes))
 
     async def prepare(self, ctx: RequestContext) -> None:
-        """403 for a model the tenant may not use; 400 for a bad header; idempotency."""
+        """403 for a model the tenant may not use; 400 for a bad header; prompt bundle;
+        idempotency (a replay wins), then the response cache (a hit is replayed)."""
         st: _RequestState = ctx.extra[_STATE]
         with _as_openai():
             self.auth.check_model(st.tenant, ctx.model or "")
             st.timeout_s = parse_request_timeout(ctx.headers.get("x-request-timeout"))
+            st.caches = self.caches.prepare(ctx, st.tenant)
             key = ctx.headers.get("idempotency-key")
-            if key is None:
-                return
-            if self.store is None:
-                raise InvalidRequest("Idempotency-Key needs a `database` in the gateway config",
-                                     code="idempotency_not_enabled", param="Idempotency-Key")
-            validate_idempotency_key(key)
-            result = await asyncio.to_thread(self._begin, st.tenant.name, key, ctx)
-        if result.outcome is BeginOutcome.REPLAY and result.response is not None:
+            result = None
+            if key is not None:
+                if self.store is None:
+                    raise InvalidRequest("Idempotency-Key needs a `database` in the gateway config",
+                                         code="idempotency_not_enabled", param="Idempotency-Key")
+                validate_idempotency_key(key)
+                result = await asyncio.to_thread(self._begin, st.tenant.name, key, ctx)
+        if result is not None and result.outcome is BeginOutcome.REPLAY and result.response is not None:
             stored = result.response
             ctx.replay = CapturedResponse(stored.status, dict(stored.headers), body=stored.body,
                                           events=stored.events, request_id=stored.request_id)
@@ -172,8 +186,32 @@ class TenantGateway:
             self._log(ctx, st, status=stored.status, idempotency_key=key, replayed=True,
                       served_model=stored.headers.get("X-Served-By"))
             return
-        st.idem_key, st.idem_request_id, st.idem_run_id = key, ctx.request_id, result.run_id
-        ctx.capture_response = True
+        if result is not None:
+            st.idem_key, st.idem_request_id, st.idem_run_id = key, ctx.request_id, result.run_id
+            ctx.capture_response = True
+        hit = await self.caches.lookup(st.tenant, st.caches)
+        if hit is not None:
+            await self._replay_cache_hit(ctx, st, hit)
+        elif st.caches.store:
+            ctx.capture_response = True
+            ctx.response_headers[CACHE_HEADER] = "miss"
+
+    async def _replay_cache_hit(self, ctx: RequestContext, st: _RequestState,
+                                hit: CachedResponse) -> None:
+        """Answer from the response cache: billed as a hit (one request, no engine
+        tokens for the rate limiter); completes the request's idempotency claim too."""
+        response = self.caches.hit_response(hit)
+        ctx.replay = response
+        if st.reservation is not None:
+            self.limiter.settle(st.reservation, 0)
+        record = self.caches.hit_record(ctx, st.tenant.name, hit, st.idem_key, st.idem_run_id)
+        await asyncio.to_thread(write_outcome, self.ledger, self.store, record,
+                                key=st.idem_key, run_id=st.idem_run_id,
+                                request_id=st.idem_request_id,
+                                response=response if st.idem_key is not None else None)
+        self._log(ctx, st, status=hit.status, cache="hit", idempotency_key=st.idem_key,
+                  served_model=hit.served_model, prompt_tokens=hit.prompt_tokens,
+                  completion_tokens=hit.completion_tokens)
 
     def _begin(self, tenant: str, key: str, ctx: RequestContext) -> Any:
         try:
@@ -243,7 +281,16 @@ class TenantGateway:
         await asyncio.to_thread(write_outcome, self.ledger, self.store, record,
                                 key=st.idem_key, run_id=st.idem_run_id,
                                 request_id=st.idem_request_id, response=response if keep else None)
+        if st.caches is not None:
+            try:
+                await self.caches.complete(ctx, st.tenant, st.caches, outcome, st.served_model,
+                                           record.finish_reason)
+            except Exception:  # noqa: BLE001 - caching must never fail a response
+                logger.exception("response cache / prompt bundle upkeep failed for %s",
+                                 ctx.request_id)
         self._log(ctx, st, status=record.status, finish_reason=record.finish_reason,
+                  cache=st.caches.result if st.caches else None,
+                  prompt_bundle=st.caches.bundle.ref if st.caches and st.caches.bundle else None,
                   prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
                   completion_tokens=usage.completion_tokens, fingerprint=outcome.fingerprint,
                   served_model=record.served_model, idempotency_key=st.idem_key,
@@ -295,58 +342,26 @@ class TenantGateway:
         base.update(fields)
         log_request_summary(request_logger, **{k: v for k, v in base.items() if v is not None})
 
+    def http_routes(self) -> list[ExtraRoute]:
+        """The prompt-bundle and admin endpoints (:mod:`llmserve.gateway.admin`)."""
+        return self.admin.routes()
+
+    def register_metrics(self, registry: Any) -> None:
+        """Response-cache and prompt-bundle metrics in the app's registry."""
+        registry.register(CacheMetricsCollector(self.caches, self.config))
+
     def close(self) -> None:
         """Stop the purge thread and close the SQLite connections (at server shutdown)."""
         if self._purger is not None:
             self._purger.stop()
+        self.caches.close()
         for db in (self.ledger, self.store):
             if db is not None:
                 db.close()
 
 
-def build_gateway(config_path: str, engine: Any, *, fallback_engines: Optional[Mapping[str, Any]] = None,
-                  served_model_names: Optional[Sequence[str]] = None) -> TenantGateway:
-    """Load the gateway config and build the gateway for these engines.
+def build_gateway(config_path: str, engine: Any, **kwargs: Any) -> TenantGateway:
+    """Load the gateway config and build the gateway (:func:`llmserve.gateway.build.build_gateway`)."""
+    from llmserve.gateway.build import build_gateway as build
 
-    Args:
-        config_path: the YAML / TOML gateway config.
-        engine: the main engine (served as ``served_model_names``, default its model name).
-        fallback_engines: more served models in the process, name -> engine; a
-            ``models.<name>.fallback`` route may name them.
-        served_model_names: the names ``engine`` is served under.
-
-    Raises ValueError for an invalid config, or a fallback whose tokenizer differs from
-    its primary's (the prompt is tokenized once, by the requested model).
-    """
-    config = GatewayConfig.load(config_path)
-    names = list(served_model_names) if served_model_names else [engine.model_name]
-    models: dict[str, Any] = {name: engine for name in names}
-    for name, other in (fallback_engines or {}).items():
-        if name in models:
-            raise ValueError(f"fallback model name {name!r} is already served")
-        models[name] = other
-    for name, route in config.models.items():
-        if name not in models:
-            logger.warning("gateway config: models.%s names a model this server does not serve", name)
-            continue
-        if route.fallback is None:
-            continue
-        if route.fallback not in models:
-            logger.warning("gateway config: models.%s.fallback %r is not served; no fallback",
-                           name, route.fallback)
-            continue
-        mine = getattr(models[name].tokenizer, "fingerprint", None)
-        theirs = getattr(models[route.fallback].tokenizer, "fingerprint", None)
-        if mine is not None and theirs is not None and mine != theirs:
-            raise ValueError(f"models.{name}.fallback: {route.fallback!r} has a different "
-                             "tokenizer; a fallback must share its primary's tokenizer")
-    ledger = store = None
-    if config.database is None:
-        logger.warning("gateway config has no `database`: no billing ledger, no Idempotency-Key")
-    else:
-        ledger = BillingLedger(config.database)
-        longest = max([config.request_timeout_s] + [t.max_request_timeout_s or 0.0
-                                                    for t in config.tenants.values()])
-        store = IdempotencyStore(config.database, ttl_s=config.idempotency_ttl_s,
-                                 lease_s=max(3600.0, config.queue.timeout_s + longest + 60.0))
-    return TenantGateway(config, models, ledger=ledger, store=store)
+    return build(config_path, engine, **kwargs)

@@ -10,6 +10,10 @@ Exactly-once billing rests on two uniqueness constraints of the ``usage`` table:
   run and is billed again (it really ran again). Records written without a run id
   collide on ``(tenant, idempotency_key)`` alone, as before.
 
+``cache_hit`` (added to older files on open) marks a response-cache hit: the row
+records the usage of the answer it replayed, but the engine did no work for it (the
+price rule is in docs/CACHING.md).
+
 ``record()`` uses ``INSERT ... ON CONFLICT DO NOTHING``: a duplicate returns False and
 never raises. A cancelled, timed-out or aborted request is recorded with the tokens
 actually computed (prompt tokens it prefilled, completion tokens it produced) and its
@@ -73,10 +77,10 @@ _FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
 
 _COLUMNS = ("tenant", "request_id", "idempotency_key", "model", "served_model", "fingerprint",
             "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "status",
-            "created_at", "finished_at", "idempotency_run")
+            "created_at", "finished_at", "idempotency_run", "cache_hit")
 
 #: Columns of ``export_csv``, in order; timestamps as ISO-8601 UTC.
-CSV_COLUMNS = ("record_id",) + _COLUMNS[:9] + ("total_tokens",) + _COLUMNS[9:13]
+CSV_COLUMNS = ("record_id",) + _COLUMNS[:9] + ("total_tokens",) + _COLUMNS[9:13] + ("cache_hit",)
 
 Since = Union[str, dt.date, dt.datetime, float, int, None]
 
@@ -104,6 +108,8 @@ class UsageRecord:
     served_model: Optional[str] = None
     record_id: Optional[int] = None
     idempotency_run: Optional[str] = None   # the idempotency store's run id of the key
+    cache_hit: bool = False                 # a response-cache hit: no engine work (price rule:
+                                            # docs/CACHING.md)
 
     def __post_init__(self) -> None:
         for name in ("tenant", "request_id", "model", "finish_reason"):
@@ -121,6 +127,7 @@ class UsageRecord:
             raise ValueError("UsageRecord.finished_at is before created_at")
         if self.served_model is None:
             object.__setattr__(self, "served_model", self.model)
+        object.__setattr__(self, "cache_hit", bool(self.cache_hit))
 
     @property
     def total_tokens(self) -> int:
@@ -174,6 +181,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
     if "idempotency_run" not in columns:
         conn.execute("ALTER TABLE usage ADD COLUMN idempotency_run TEXT")
+    if "cache_hit" not in columns:
+        conn.execute("ALTER TABLE usage ADD COLUMN cache_hit INTEGER NOT NULL DEFAULT 0")
     conn.executescript(_RUN_INDEX)
 
 
@@ -205,7 +214,7 @@ class BillingLedger:
         """Insert ``usage`` with the caller's connection (e.g. inside the idempotency
         store's transaction, so that the record and the stored response commit together).
         Returns False for a duplicate, as :meth:`record` does."""
-        values = [getattr(usage, c) for c in _COLUMNS]
+        values = [int(usage.cache_hit) if c == "cache_hit" else getattr(usage, c) for c in _COLUMNS]
         cursor = conn.execute(
             f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
             "ON CONFLICT DO NOTHING",
@@ -255,6 +264,7 @@ class BillingLedger:
             fields["total_tokens"] = rec.total_tokens
             fields["created_at"] = _iso(rec.created_at)
             fields["finished_at"] = _iso(rec.finished_at)
+            fields["cache_hit"] = int(rec.cache_hit)
             writer.writerow(["" if fields[c] is None else csv_safe(fields[c]) for c in CSV_COLUMNS])
         return len(rows)
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.errors import OpenAIError, install_error_handlers
-from llmserve.server.gateway_hook import RequestContext, call_hook
+from llmserve.server.gateway_hook import ExtraRoute, HTTPCall, RequestContext, call_hook
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
@@ -99,6 +99,11 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
 
+    install_gateway_routes(app, gateway)
+    register_metrics = getattr(gateway, "register_metrics", None)
+    if callable(register_metrics):
+        register_metrics(metrics.registry)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         return await serving.handle(request, chat=True)
@@ -160,3 +165,26 @@ def create_app(
     install_openapi(app, input_limits, max(e.max_model_len for e in distinct),
                     max(vocab) if all(isinstance(v, int) for v in vocab) else None)
     return app
+
+
+def install_gateway_routes(app: FastAPI, gateway: Any) -> None:
+    """Serve the gateway's extra endpoints (``gateway.http_routes()``, e.g. prompt
+    bundles and admin operations); their handlers get an :class:`HTTPCall`."""
+    routes = getattr(gateway, "http_routes", None)
+    if not callable(routes):
+        return
+    for route in routes():
+        app.add_api_route(route.path, _route_endpoint(route), methods=[route.method],
+                          include_in_schema=False)
+
+
+def _route_endpoint(route: ExtraRoute) -> Any:
+    async def endpoint(request: Request) -> Any:
+        state = request.scope.get("state", {})
+        call = HTTPCall(method=request.method, path=request.url.path,
+                        headers={k.lower(): v for k, v in request.headers.items()},
+                        path_params=dict(request.path_params), query=dict(request.query_params),
+                        body=await request.body(), request_id=state.get("request_id", ""))
+        status, body = await route.handler(call)
+        return JSONResponse(body, status_code=status)
+    return endpoint

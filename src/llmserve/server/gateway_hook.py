@@ -48,13 +48,21 @@ claim, a rate-limit reservation) in one place.
 
 ``GET /v1/models`` calls ``authenticate`` only. ``/health``, ``/ready`` and
 ``/metrics`` call no hook.
+
+In ``prepare`` a gateway may also set ``ctx.prefix_messages`` (chat messages the
+server puts before the request's own, e.g. a prompt bundle's; the server answers 400
+to a ``prompt_bundle`` field that no gateway resolved) and ``ctx.response_headers``
+(added to the response). Two optional methods extend the app: ``http_routes()``
+returns :class:`ExtraRoute` s the app serves (e.g. admin endpoints; the handler gets
+an :class:`HTTPCall` and returns ``(status, JSON body)`` or raises OpenAIError), and
+``register_metrics(registry)`` adds collectors to the app's Prometheus registry.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Awaitable, Callable, Mapping, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +108,9 @@ class CapturedResponse:
     body: Any = None
     events: Optional[list[str]] = None
     request_id: Optional[str] = None     # the X-Request-Id it was sent with
+    #: "idempotency" (sent with ``Idempotent-Replayed: true``) or "cache" (a response-
+    #: cache hit: sent as stored, with the new request's own X-Request-Id)
+    replay_kind: str = "idempotency"
 
     @property
     def streamed(self) -> bool:
@@ -134,6 +145,9 @@ class RequestContext:
     served_model: Optional[str] = None   # serve with this served model instead of ``model``
     replay: Optional[CapturedResponse] = None  # set in prepare(): send this, run nothing
     capture_response: bool = False       # hand the response to on_complete (outcome.response)
+    prefix_messages: Optional[list[dict[str, Any]]] = None  # set in prepare(): go before messages
+    prefix_tools: Optional[list[dict[str, Any]]] = None  # set in prepare(): go before tools
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
     extra: dict[str, Any] = field(default_factory=dict)  # the gateway's own per-request state
 
 
@@ -161,6 +175,28 @@ class RequestOutcome:
     started: bool = False                  # the engine had scheduled it (on_started was called)
     http_status: Optional[int] = None      # status sent; None: the client left before any response
     response: Optional[CapturedResponse] = None  # with ctx.capture_response: what was sent
+
+
+@dataclass
+class HTTPCall:
+    """One call of an :class:`ExtraRoute`: what its handler may read."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]           # names lower-cased
+    path_params: dict[str, str]
+    query: dict[str, str]
+    body: bytes
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ExtraRoute:
+    """An endpoint a gateway adds to the app: ``handler(call) -> (status, JSON body)``."""
+
+    method: str
+    path: str                            # FastAPI path syntax, e.g. "/v1/prompt_bundles/{name}"
+    handler: Callable[[HTTPCall], Awaitable[tuple[int, Any]]]
 
 
 class Gateway:

@@ -81,6 +81,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    cache: Optional[bool] = None          # false: never served from / stored in the response cache
 
     def check_common(self) -> None:
         """Checks that pydantic types cannot express; raises OpenAIError (400)."""
@@ -200,6 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: Optional[list[str]] = None
     _tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr(default="none")
+    prompt_bundle: Optional[str] = None   # "name@version" or "name": messages put first (gateway)
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""

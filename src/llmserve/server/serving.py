@@ -52,10 +52,12 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 
 
 def replay_response(stored: CapturedResponse) -> Any:
-    """The HTTP response for a stored one: the same SSE events, or the same JSON body."""
+    """The HTTP response for a stored one: the same SSE events, or the same JSON body
+    (``Idempotent-Replayed: true`` unless it is a response-cache hit)."""
     headers = {k: v for k, v in stored.headers.items()
                if k.lower() not in ("content-type", "content-length", "x-request-id")}
-    headers[REPLAYED_HEADER] = "true"
+    if stored.replay_kind == "idempotency":
+        headers[REPLAYED_HEADER] = "true"
     if stored.events is not None:
         events = list(stored.events)
 
@@ -309,6 +311,16 @@ class OpenAIServing:
 
         if chat:
             messages = [m.to_template_dict(i) for i, m in enumerate(req.messages)]
+            if req.prompt_bundle is not None:
+                if ctx.prefix_messages is None:
+                    raise bad_request("prompt_bundle needs the gateway (serve with --config)",
+                                      param="prompt_bundle", code="prompt_bundles_not_enabled")
+                messages = list(ctx.prefix_messages) + messages
+                if ctx.prefix_tools:   # the bundle's tools, then the request's own
+                    req.tools = list(ctx.prefix_tools) + list(req.tools or [])
+                    req.check()
+                    params = make_sampling_params(req, requested, max_field, num_logprobs,
+                                                  chat=chat)
             try:
                 prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages,
                                                  req.checked_tools)]
@@ -352,7 +364,7 @@ class OpenAIServing:
         header = ResponseHeader(f"{prefix}-{ctx.request_id}",
                                 obj + ".chunk" if chat and req.stream else obj,
                                 int(time.time()), served, engine.fingerprint)
-        headers = {SERVED_BY_HEADER: served}
+        headers = {SERVED_BY_HEADER: served, **ctx.response_headers}
         if req.stream:
             events = stream_events(run, header, chat=chat, include_usage=req.include_usage,
                                    want_logprobs=want_logprobs, capture=ctx.capture_response,

@@ -1,0 +1,200 @@
+"""Where the response cache keeps its entries: SQLite (the gateway database) or memory.
+
+Both stores bound the cache by entries and bytes (an entry's size is the length of its
+stored JSON) and expire entries ``ttl_s`` seconds after they were stored; over a bound,
+the least recently used entries go first. An entry larger than ``max_bytes`` is not
+stored. Thread-safe and blocking (call from a worker thread in async code). No torch.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+from llmserve.gateway.sqlite_db import SQLiteDatabase
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS response_cache (
+    key TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    entry TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS response_cache_last_used ON response_cache (last_used);
+CREATE INDEX IF NOT EXISTS response_cache_tenant ON response_cache (tenant);
+"""
+
+
+@dataclass(frozen=True)
+class CachedResponse:
+    """A stored answer: the response as sent (JSON ``body`` or SSE ``events``) and the
+    usage it reported (what a hit bills)."""
+
+    key: str
+    tenant: str
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: Any = None
+    events: Optional[list[str]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"
+    fingerprint: str = ""
+    served_model: str = ""
+    created_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__},
+                          separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CachedResponse":
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class StoreBounds:
+    max_entries: int
+    max_bytes: int
+    ttl_s: float
+
+
+class MemoryResponseStore:
+    """Entries in an LRU dict (lost at restart)."""
+
+    def __init__(self, bounds: StoreBounds, clock: Callable[[], float] = time.time) -> None:
+        self.bounds = bounds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: "OrderedDict[str, tuple[str, int, float]]" = OrderedDict()  # json, size, exp
+        self._bytes = 0
+        self.evictions = 0
+
+    def get(self, key: str) -> Optional[CachedResponse]:
+        now = self._clock()
+        with self._lock:
+            item = self._entries.get(key)
+            if item is None:
+                return None
+            if item[2] <= now:
+                self._drop(key)
+                return None
+            self._entries.move_to_end(key)
+        return CachedResponse.from_json(item[0])
+
+    def put(self, entry: CachedResponse) -> bool:
+        text = entry.to_json()
+        size = len(text.encode("utf-8"))
+        if size > self.bounds.max_bytes:
+            return False
+        now = self._clock()
+        with self._lock:
+            if entry.key in self._entries:
+                self._drop(entry.key)
+            self._entries[entry.key] = (text, size, now + self.bounds.ttl_s)
+            self._bytes += size
+            while (len(self._entries) > self.bounds.max_entries
+                   or self._bytes > self.bounds.max_bytes):
+                self._drop(next(iter(self._entries)))
+                self.evictions += 1
+        return True
+
+    def _drop(self, key: str) -> None:
+        _text, size, _exp = self._entries.pop(key)
+        self._bytes -= size
+
+    def flush(self, tenant: Optional[str] = None) -> int:
+        """Drop every entry, or one tenant's; returns how many."""
+        with self._lock:
+            keys = [k for k, (text, _s, _e) in self._entries.items()
+                    if tenant is None or json.loads(text)["tenant"] == tenant]
+            for k in keys:
+                self._drop(k)
+        return len(keys)
+
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes) held now."""
+        with self._lock:
+            return len(self._entries), self._bytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+class SQLiteResponseStore:
+    """Entries in the ``response_cache`` table of the gateway database (survive restarts)."""
+
+    def __init__(self, db_path: str, bounds: StoreBounds, clock: Callable[[], float] = time.time,
+                 synchronous: str = "NORMAL") -> None:
+        self.bounds = bounds
+        self._clock = clock
+        self._db = SQLiteDatabase(db_path, synchronous=synchronous)
+        self.evictions = 0
+        with self._db.connection() as conn:
+            conn.executescript(_SCHEMA)
+
+    def get(self, key: str) -> Optional[CachedResponse]:
+        now = self._clock()
+        with self._db.connection() as conn:
+            row = conn.execute("SELECT entry, expires_at FROM response_cache WHERE key = ?",
+                               (key,)).fetchone()
+            if row is None:
+                return None
+            if row["expires_at"] <= now:
+                conn.execute("DELETE FROM response_cache WHERE key = ? AND expires_at <= ?",
+                             (key, now))
+                return None
+            conn.execute("UPDATE response_cache SET last_used = ? WHERE key = ?", (now, key))
+        return CachedResponse.from_json(row["entry"])
+
+    def put(self, entry: CachedResponse) -> bool:
+        text = entry.to_json()
+        size = len(text.encode("utf-8"))
+        if size > self.bounds.max_bytes:
+            return False
+        now = self._clock()
+        with self._db.transaction() as conn:
+            conn.execute("DELETE FROM response_cache WHERE expires_at <= ?", (now,))
+            conn.execute("INSERT OR REPLACE INTO response_cache (key, tenant, entry, size, "
+                         "created_at, expires_at, last_used) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (entry.key, entry.tenant, text, size, now, now + self.bounds.ttl_s, now))
+            count, total = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM response_cache").fetchone()
+            if count > self.bounds.max_entries or total > self.bounds.max_bytes:
+                for row in conn.execute("SELECT key, size FROM response_cache WHERE key != ? "
+                                        "ORDER BY last_used, created_at", (entry.key,)).fetchall():
+                    if count <= self.bounds.max_entries and total <= self.bounds.max_bytes:
+                        break
+                    conn.execute("DELETE FROM response_cache WHERE key = ?", (row["key"],))
+                    count, total = count - 1, total - row["size"]
+                    self.evictions += 1
+        return True
+
+    def flush(self, tenant: Optional[str] = None) -> int:
+        with self._db.transaction() as conn:
+            if tenant is None:
+                return conn.execute("DELETE FROM response_cache").rowcount
+            return conn.execute("DELETE FROM response_cache WHERE tenant = ?", (tenant,)).rowcount
+
+    def usage(self) -> tuple[int, int]:
+        with self._db.connection() as conn:
+            count, total = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM response_cache WHERE expires_at > ?",
+                (self._clock(),)).fetchone()
+        return int(count), int(total)
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def with_headers(entry: CachedResponse, **headers: str) -> CachedResponse:
+    """A copy of ``entry`` whose headers have these set."""
+    return replace(entry, headers={**entry.headers, **headers})
