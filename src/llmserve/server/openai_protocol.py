@@ -202,6 +202,7 @@ class ChatCompletionRequest(_SamplingFields):
     _tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr(default="none")
     prompt_bundle: Optional[str] = None   # "name@version" or "name": messages put first (gateway)
+    _bundle_merged: bool = PrivateAttr(default=False)   # the bundle's tools are in `tools`
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""
@@ -211,17 +212,27 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("messages must be a non-empty array", param="messages")
         if self.modalities is not None and self.modalities != ["text"]:
             raise bad_request("only modalities ['text'] is supported", param="modalities")
+        spec = request_spec(self.response_format, self.structured_outputs)
+        if self.prompt_bundle is not None and not self._bundle_merged:
+            self._output_spec = spec   # tools are checked once the bundle's are merged in
+            return
         self._tools = check_tools(self.tools)
         self._tool_choice = check_tool_choice(self.tool_choice, self._tools)
         tool_spec = tool_call_spec(self._tools, self._tool_choice,
                                    self.parallel_tool_calls is not False)
-        spec = request_spec(self.response_format, self.structured_outputs)
         if tool_spec is not None and spec is not None:
             raise bad_request("a required or named tool_choice cannot be combined with "
                               "response_format or structured_outputs", param="tool_choice")
         self._output_spec = tool_spec or spec
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def merge_bundle_tools(self, tools: Optional[list[dict[str, Any]]]) -> None:
+        """Put a prompt bundle's tools before the request's own and run the tool checks
+        that :meth:`check` left for now (400 for a name given twice, an unknown choice)."""
+        self.tools = list(tools or []) + list(self.tools or [])
+        self._bundle_merged = True
+        self.check()
 
     @property
     def checked_tools(self) -> list[dict[str, Any]]:

@@ -316,11 +316,8 @@ class OpenAIServing:
                     raise bad_request("prompt_bundle needs the gateway (serve with --config)",
                                       param="prompt_bundle", code="prompt_bundles_not_enabled")
                 messages = list(ctx.prefix_messages) + messages
-                if ctx.prefix_tools:   # the bundle's tools, then the request's own
-                    req.tools = list(ctx.prefix_tools) + list(req.tools or [])
-                    req.check()
-                    params = make_sampling_params(req, requested, max_field, num_logprobs,
-                                                  chat=chat)
+                req.merge_bundle_tools(ctx.prefix_tools)   # the bundle's, then its own
+                params = make_sampling_params(req, requested, max_field, num_logprobs, chat=chat)
             try:
                 prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages,
                                                  req.checked_tools)]
