@@ -8,6 +8,13 @@
     await abort(id)                  <---   the aborted request's final output (KV is free)
 
 Torch ops release the GIL, so the event loop keeps serving while a step runs.
+
+One thread runs every torch op of the engine: :meth:`AsyncLLM.from_config` builds the
+engine (weights, compile, warmup) on the engine thread itself. libgomp keeps an OpenMP
+worker pool per thread that has run a parallel region; once two threads own pools, more
+threads are managed than there are cores and every worker is throttled from spinning to
+sleeping between regions, which made each decode step ~2x slower when the engine was
+built on the main thread and stepped on this one (docs/BENCHMARKS.md, "Engine thread").
 """
 from __future__ import annotations
 
@@ -47,13 +54,13 @@ class _Stream:
 class AsyncLLM:
     """Async front of an LLMEngine running on its own thread."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = engine.model_name
-        self.fingerprint = engine.system_fingerprint
-        self.max_model_len = engine.max_model_len
-        self.block_size = engine.config.block_size
+    def __init__(self, engine: Optional[LLMEngine] = None, *,
+                 engine_factory: Optional[Callable[[], LLMEngine]] = None) -> None:
+        """Serve ``engine``, or the engine ``engine_factory`` builds on the engine thread
+        (so that thread is the only one running torch ops; see the module docstring).
+        With a factory this waits until the engine is built and re-raises its error."""
+        if (engine is None) == (engine_factory is None):
+            raise ValueError("pass an engine or an engine_factory, not both or neither")
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}      # internal engine id -> stream
         self._internal: dict[str, str] = {}          # caller's id -> internal engine id
@@ -62,15 +69,47 @@ class AsyncLLM:
         self._closed = False
         self._last_audit = 0.0
         self.ledger_errors = 0     # failed idle KV-ledger audits (should stay 0)
-        self._stats = engine.get_stats()
         self._dead: Optional[BaseException] = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: Optional[BaseException] = None
+        if engine is not None:
+            self._adopt(engine)
+        self._thread = threading.Thread(target=self._run, args=(engine_factory,),
+                                        name="llmserve-engine", daemon=True)
         self._thread.start()
+        if engine is None:
+            self._built.wait()
+            if self._build_error is not None:
+                self._thread.join()
+                raise self._build_error
+
+    def _adopt(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.fingerprint = engine.system_fingerprint
+        self.max_model_len = engine.max_model_len
+        self.block_size = engine.config.block_size
+        self._stats = engine.get_stats()
+
+    def _run(self, factory: Optional[Callable[[], LLMEngine]]) -> None:
+        """The engine thread: build the engine (with a factory), then loop."""
+        if factory is not None:
+            try:
+                self._adopt(factory())
+            except BaseException as exc:  # noqa: BLE001 - handed to the constructor
+                self._build_error = exc
+                self._closed = True
+                return
+            finally:
+                self._built.set()
+        self._loop()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
-        return cls(LLMEngine(config))
+        """Build the engine for ``config`` on the engine thread and start serving it."""
+        return cls(engine_factory=lambda: LLMEngine(config))
 
     # ---- client side ----------------------------------------------------------------------
     def is_ready(self) -> bool:

@@ -219,3 +219,37 @@ def test_async_engine_audits_kv_ledger_when_idle(tiny_path):
         assert engine.ledger_errors == 1
     finally:
         engine.shutdown()
+
+
+def test_from_config_builds_and_steps_the_engine_on_one_thread(tiny_path):
+    """Every torch op of a served engine runs on the engine thread: a second thread with
+    an OpenMP pool throttles every parallel region (see llmserve/async_llm.py)."""
+    import threading
+
+    from llmserve.config import EngineConfig
+    from llmserve.llm_engine import LLMEngine
+
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return LLMEngine(EngineConfig.from_kwargs(model=tiny_path, dtype="float32",
+                                                  num_kv_blocks=64, block_size=4))
+
+    engine = AsyncLLM(engine_factory=build)
+    try:
+        assert built_on == [engine._thread] and built_on[0] is not threading.main_thread()
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+        async def main():
+            return [t async for o in engine.generate(PROMPTS[0], params, "r")
+                    for t in o.outputs[0].token_ids]
+        alone = LLM(tiny_path, dtype="float32", num_kv_blocks=64, block_size=4).generate(
+            [PROMPTS[0]], params)
+        assert asyncio.run(main()) == alone[0].outputs[0].token_ids
+    finally:
+        engine.shutdown()
+    with pytest.raises((OSError, ValueError)):   # a build error reaches the caller
+        AsyncLLM.from_config(EngineConfig.from_kwargs(model=tiny_path + "/missing"))
+    with pytest.raises(ValueError, match="not both"):
+        AsyncLLM()
