@@ -224,6 +224,9 @@ def add_bench_subparsers(subparsers: "argparse._SubParsersAction") -> None:
     _add_workload_args(serve)
     _add_load_args(serve)
     serve.set_defaults(func=bench_serve_command)
+    from llmserve.bench.cache_ttft import add_parser as add_caches_parser
+
+    add_caches_parser(sub)
     comp = sub.add_parser("compare", help="start llmserve and peers on loopback, same workload")
     comp.add_argument("--model", default="default", help="model path for every server")
     comp.add_argument("--servers", default="auto",

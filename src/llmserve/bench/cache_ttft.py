@@ -10,7 +10,7 @@ rounds; each round sends, in turn (streamed, one at a time, unique user question
 * ``cache_hit``: a repeat of the round's ``prefix`` request (a response-cache hit).
 
 Prints the median TTFT of each and its ratio to ``cold``, as JSON.
-Usage: python scripts/bench_cache_ttft.py [--rounds 8] [--system-words 300] [--eager]
+Usage: ``llmserve bench caches [--rounds 8] [--system-words 300] [--eager] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -28,9 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-from llmserve.gateway import hash_api_key  # noqa: E402
+from llmserve.gateway.config import hash_api_key
 
 KEY = "sk-bench-" + uuid.uuid4().hex
 
@@ -51,20 +49,27 @@ def ttft(client: httpx.Client, url: str, body: dict) -> tuple[float, str]:
         return first, resp.headers.get("x-cache", "")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_parser(sub: "argparse._SubParsersAction") -> None:
+    """Register ``bench caches``."""
+    ap = sub.add_parser("caches", help="TTFT cold / prefix cache / prompt bundle / "
+                        "response-cache hit, side by side (a gateway server on loopback)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--system-words", type=int, default=300)
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="no torch.compile (quicker start)")
-    args = ap.parse_args()
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison (see the module docstring); 0 on success."""
     folder = Path(tempfile.mkdtemp(prefix="cache-ttft-"))
     config = {"database": "gw.db", "response_cache": {"store": "sqlite"},
               "tenants": {"t": {"keys": [hash_api_key(KEY)], "response_cache": True,
                                 "bundle_pinned_blocks": 256}}}
     (folder / "gw.yaml").write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ)
     server = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--config",
                                str(folder / "gw.yaml"), "--served-model-name", "default",
                                "--port", str(args.port), "--num-kv-blocks", "1024",
@@ -106,16 +111,16 @@ def main() -> int:
                     if i:
                         times[name].append(t)
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(json.dumps({"rounds": args.rounds, "bundle_prefix_tokens": bundle["prefix_tokens"],
-                          "pinned_blocks": bundle["pinned_blocks"],
-                          "median_ttft_ms": {k: round(v * 1000, 1) for k, v in med.items()},
-                          "ratio_to_cold": {k: round(v / med["cold"], 3) for k, v in med.items()}},
-                         indent=2))
+        report = json.dumps({
+            "rounds": args.rounds, "bundle_prefix_tokens": bundle["prefix_tokens"],
+            "pinned_blocks": bundle["pinned_blocks"],
+            "median_ttft_ms": {k: round(v * 1000, 1) for k, v in med.items()},
+            "ratio_to_cold": {k: round(v / med["cold"], 3) for k, v in med.items()}}, indent=2)
+        sys.stdout.write(report + "\n")
+        if args.json:
+            Path(args.json).write_text(report + "\n", encoding="utf-8")
     finally:
         server.terminate()
         server.wait(timeout=30)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
