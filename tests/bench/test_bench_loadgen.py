@@ -168,12 +168,13 @@ def test_multi_turn_sends_the_servers_real_answer_back(fake_server, tmp_path):
 
     specs = build_workload("multi-turn", WhitespaceTokenizer(), num_prompts=4, input_len=5,
                            output_len=3, num_turns=2)
-    assert [(s.conversation_id, s.turn, s.extra["follow_up"]) for s in specs] == \
+    assert [(s.conversation_id, s.turn, s.meta["follow_up"]) for s in specs] == \
         [(0, 0, False), (1, 0, False), (0, 1, True), (1, 1, True)]
     with fake_server() as srv:
         result = asyncio.run(run_load(srv.url, specs, endpoint="chat", progress=False))
         bodies = srv.server.config.app.state.bench["bodies"]
     assert all(r.success for r in result.records)
+    assert not any("follow_up" in b for b in bodies)   # workload facts are never sent
     first = next(r for r in result.records if (r.conversation_id, r.turn) == (0, 0))
     follow = next(b for b in bodies if len(b["messages"]) == 4
                   and b["messages"][0]["content"] == "Conversation 0.")

@@ -145,7 +145,7 @@ def test_extractive_passages_are_seeded_and_sized(bpe_tokenizer):
     b = build_workload("extractive", bpe_tokenizer, num_prompts=6, input_len=200, output_len=1,
                        seed=3)
     assert [s.prompt for s in a] == [s.prompt for s in b]
-    assert {s.extra["task"] for s in a} == {"repeat", "correct", "rewrite"}
+    assert {s.meta["task"] for s in a} == {"repeat", "correct", "rewrite"}
     for s in a:
         instruction, passage = s.prompt.split("\n\n", 1)
         assert s.input_len == n_tokens(bpe_tokenizer, s.prompt)

@@ -59,5 +59,5 @@ def extractive_workload(tokenizer: Any, num_prompts: int, input_len: int,
         specs.append(RequestSpec(
             f"extractive-{i}", content, [{"role": "user", "content": content}],
             len(tokenizer.encode(content, add_special_tokens=False)), passage_tokens + 16,
-            extra={"task": instruction.split()[0].lower()}))
+            meta={"task": instruction.split()[0].lower()}))
     return specs

@@ -298,7 +298,7 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], *, model: Option
                 prev = turn_done.get((spec.conversation_id, (spec.turn or 0) - 1))
                 if prev is not None:
                     await prev.wait()
-                if spec.extra.get("follow_up") and endpoint == "chat":
+                if spec.meta.get("follow_up") and endpoint == "chat":
                     payloads[i] = dict(payloads[i], messages=history.get(
                         spec.conversation_id, []) + list(spec.messages))
                 async with sem:
@@ -308,7 +308,7 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], *, model: Option
                     except asyncio.TimeoutError:
                         record.success, record.error = False, "timeout"
                         record.end_time = time.perf_counter() - record.send_time
-                if spec.extra.get("follow_up") is not None and endpoint == "chat":
+                if spec.meta.get("follow_up") is not None and endpoint == "chat":
                     history[spec.conversation_id] = list(payloads[i]["messages"]) + [
                         {"role": "assistant", "content": "".join(record.reply_text)}]
             finally:

@@ -81,7 +81,8 @@ class RequestSpec:
     output_len: int
     conversation_id: Optional[int] = None
     turn: Optional[int] = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # more request-body fields (response_format ...)
+    meta: dict = field(default_factory=dict)    # workload facts for the load generator, never sent
 
 
 class WhitespaceTokenizer:
@@ -302,7 +303,7 @@ def chat_workload(tokenizer: TextTokenizer, num_prompts: int, num_turns: int, in
 def multi_turn_workload(tokenizer: TextTokenizer, num_prompts: int, num_turns: int,
                         input_len: int, output_len: int, seed: int = 0) -> list[RequestSpec]:
     """ceil(N / turns) conversations of ``num_turns`` turns (see the module docstring);
-    a later turn's ``messages`` hold only its new user message (``extra["follow_up"]``)."""
+    a later turn's ``messages`` hold only its new user message (``meta["follow_up"]``)."""
     _check_counts(num_prompts=num_prompts, num_turns=num_turns, input_len=input_len,
                   output_len=output_len)
     rng = random.Random(seed)
@@ -318,7 +319,7 @@ def multi_turn_workload(tokenizer: TextTokenizer, num_prompts: int, num_turns: i
                 messages.insert(0, {"role": "system", "content": f"Conversation {c}."})
             turns.append(RequestSpec(f"multi-c{c}-t{t}", render_chat_as_text(messages), messages,
                                      n, output_len, conversation_id=c, turn=t,
-                                     extra={"follow_up": t > 0}))
+                                     meta={"follow_up": t > 0}))
         per_conv.append(turns)
     ordered = [per_conv[c][t] for t in range(num_turns) for c in range(num_convs)]
     return ordered[:num_prompts]
