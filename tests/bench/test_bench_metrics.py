@@ -155,3 +155,25 @@ def test_concurrency_throughput_series():
     assert series[0][1] == pytest.approx(4.0)     # 2 tokens in 0.5 s
     assert series[1][1] == pytest.approx(2.0)
     assert concurrency_throughput_series([]) == []
+
+
+def test_server_counters_parse_sum_labels_and_delta():
+    from llmserve.bench.server_counters import counter_delta, describe, parse_counters
+
+    text = "\n".join([
+        "# HELP llmserve_spec_proposed_tokens_total x",
+        'llmserve_spec_proposed_tokens_total{model="a"} 10.0',
+        'llmserve_spec_proposed_tokens_total{model="b"} 30.0',
+        'llmserve_spec_accepted_tokens_total{model="a"} 12.0',
+        "llmserve_prefix_cache_queries_total 100",
+        "llmserve_prefix_cache_hits_total 25",
+        "unrelated_total 5"])
+    after = parse_counters(text)
+    assert after == {"spec_proposed_tokens": 40.0, "spec_accepted_tokens": 12.0,
+                     "prefix_cache_queries": 100.0, "prefix_cache_hits": 25.0}
+    delta = counter_delta({"spec_proposed_tokens": 20.0, "spec_accepted_tokens": 2.0}, after)
+    assert delta["spec_proposed_tokens"] == 20.0 and delta["spec_acceptance_rate"] == 0.5
+    rows = dict(describe(delta))
+    assert rows["Speculative tokens accepted / proposed (server)"] == "10 / 20 (50.0%)"
+    assert rows["Prefix-cache hit rate (server)"] == "25.0%"
+    assert counter_delta(None, after) is None and describe(None) == []

@@ -45,6 +45,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from llmserve.bench.server_counters import describe as describe_counters
+
 SCHEMA_VERSION = 1
 _LAT_ROWS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 
@@ -94,6 +96,7 @@ def summary_table(m: dict) -> str:
         ("Total token throughput (tok/s)", fmt(m["total_token_throughput"])),
         ("Total input / output tokens", f"{m['total_input_tokens']} / {m['total_output_tokens']}"),
     ]
+    rows.extend(describe_counters(m.get("server_counters")))
     for t in m.get("turn_reuse") or []:
         cover = "-" if t["coverage"] is None else f"{100 * t['coverage']:.1f}%"
         rows.append((f"Turn {t['turn']}: cached / previous prompt + answer tokens",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from llmserve.bench import plots, report
+from llmserve.bench import plots, report, server_counters
 from llmserve.bench.loadgen import LoadResult, run_load
 from llmserve.bench.metrics import (DEFAULT_BUCKET_EDGES, compute_metrics,
                                     concurrency_throughput_series)
@@ -132,6 +132,7 @@ async def execute_runs(options: BenchOptions, specs: Sequence[RequestSpec]
         point_specs = specs
         if i and options.workload != "jsonl":
             point_specs, _ = make_specs(dataclasses.replace(options, seed=options.seed + i))
+        before = await server_counters.scrape(options.base_url)
         result = await run_load(
             options.base_url, point_specs, model=model, endpoint=options.endpoint,
             request_rate=rate, max_concurrency=conc, seed=options.seed,
@@ -140,6 +141,8 @@ async def execute_runs(options: BenchOptions, specs: Sequence[RequestSpec]
             progress=options.progress, label=label)
         model = result.model
         entry = run_entry(label, rate, conc, result, options)
+        entry["metrics"]["server_counters"] = server_counters.counter_delta(
+            before, await server_counters.scrape(options.base_url))
         logger.info("%s", report.summary_line(label, entry["metrics"]))
         runs.append(entry)
     return runs, model or "default"
