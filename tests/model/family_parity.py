@@ -31,9 +31,10 @@ class StepRecorder:
 
         self.runner.execute = execute
 
-    def sampled_logits(self, rid: str) -> torch.Tensor:
-        return torch.stack([out.logits[out.request_ids.index(rid)] for out in self.steps
-                            if rid in out.request_ids])
+    def sampled_logits(self, rid: str) -> list[torch.Tensor]:
+        """The logits of every step that sampled ``rid``, in order."""
+        return [out.logits[out.request_ids.index(rid)] for out in self.steps
+                if rid in out.request_ids]
 
 
 def make_llm(path: str, **kw) -> LLM:
@@ -65,7 +66,7 @@ def check_decode(path: str, hf, prompt: list[int], steps: int = 20, **llm_kw) ->
                                                 ignore_eos=True))
     toks = out[0].outputs[0].token_ids
     ref = hf_logits(hf, prompt + toks)[len(prompt) - 1: len(prompt) - 1 + len(toks)]
-    torch.testing.assert_close(rec.sampled_logits(out[0].request_id), ref, atol=ATOL,
+    torch.testing.assert_close(torch.stack(rec.sampled_logits(out[0].request_id)), ref, atol=ATOL,
                                rtol=RTOL)
 
 
@@ -77,13 +78,13 @@ def check_batch_vs_alone(path: str, prompts: list[list[int]], **llm_kw) -> None:
     for p in prompts:
         rec.steps.clear()
         out = llm.generate([p], params)[0]
-        alone.append((out.outputs[0].token_ids, rec.sampled_logits(out.request_id)))
+        alone.append((out.outputs[0].token_ids, torch.stack(rec.sampled_logits(out.request_id))))
     rec.steps.clear()
     outs = llm.generate(prompts, params)
     assert max(len(s.request_ids) for s in rec.steps) == len(prompts)   # really batched
     for (tokens, logits), out in zip(alone, outs):
         assert out.outputs[0].token_ids == tokens
-        torch.testing.assert_close(rec.sampled_logits(out.request_id), logits, atol=ATOL,
+        torch.testing.assert_close(torch.stack(rec.sampled_logits(out.request_id)), logits, atol=ATOL,
                                    rtol=RTOL)
 
 

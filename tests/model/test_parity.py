@@ -9,6 +9,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 
+from .family_parity import StepRecorder
 from .tiny_checkpoints import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -31,31 +32,6 @@ PROMPTS = [
     list(range(100, 137)),          # crosses block boundaries (block 16)
     [11, 12],
 ]
-
-
-class StepRecorder:
-    """Wraps the runner's execute to keep every step's logits by request id."""
-
-    def __init__(self, llm: LLM, all_logits: bool = False) -> None:
-        self.runner = llm.engine.runner
-        self.runner.capture_logits = True
-        self.runner.capture_all_logits = all_logits
-        self.steps: list = []
-        inner = self.runner.execute
-
-        def execute(step):
-            out = inner(step)
-            self.steps.append(out)
-            return out
-
-        self.runner.execute = execute
-
-    def sampled_logits(self, rid: str) -> list[torch.Tensor]:
-        rows = []
-        for out in self.steps:
-            if rid in out.request_ids:
-                rows.append(out.logits[out.request_ids.index(rid)])
-        return rows
 
 
 @pytest.fixture(scope="module", params=CASES)

@@ -185,18 +185,7 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
         cfg = json.load(handle)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     writer = gguf.GGUFWriter(out_path, arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    add_decoder_hparams(writer, cfg)
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
     if tokenizer_writer is not None:
@@ -227,3 +216,19 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def add_decoder_hparams(writer, cfg: dict) -> None:
+    """The GGUF hyper-parameters every tiny decoder file has, from its HF ``config.json``."""
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])

@@ -14,7 +14,8 @@ import re
 
 import numpy as np
 
-from .tiny_checkpoints import BOS_ID, EOS_ID, _add_default_tokenizer, llama_cpp_permute
+from .tiny_checkpoints import (BOS_ID, EOS_ID, _add_default_tokenizer, add_decoder_hparams,
+                               llama_cpp_permute)
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _DENSE = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -54,18 +55,7 @@ def make_tiny_moe_gguf(hf_dir: str, out_path: str, quant: str = "F32") -> str:
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     writer = gguf.GGUFWriter(out_path, arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    add_decoder_hparams(writer, cfg)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("moe_intermediate_size"):
