@@ -25,8 +25,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LOGITS_ATOL = 1e-4
 
 
-def _run(path: str, tp: int):
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, num_threads=1, tensor_parallel_size=tp)
+def _run(path, tp: int, **kwargs):
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, num_threads=1, tensor_parallel_size=tp,
+              **kwargs)
     runner = llm.engine.runner
     try:
         runner.capture_logits = True
@@ -54,6 +55,16 @@ def test_tp2_matches_tp1(tmp_path, arch, heads, kv_heads):
     assert logits.keys() == ref_logits.keys()
     for rid in ref_logits:
         torch.testing.assert_close(logits[rid], ref_logits[rid], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_default_model_tp3_matches_tp1():
+    """The default model has 9 query and 3 K/V heads: TP=2 cannot split it (refused like
+    the shapes in the next test), TP=3 can. Weights dequantized (packed GGUF blocks cannot be sliced)."""
+    ref_tokens, ref_logits = _run(None, 1, quantization="none")
+    tokens, logits = _run(None, 3, quantization="none")
+    assert tokens == ref_tokens
+    for rid in ref_logits:   # larger logits than the tiny models: a looser absolute bound
+        torch.testing.assert_close(logits[rid], ref_logits[rid], atol=5e-4, rtol=1e-5)
 
 
 def test_unsplittable_shapes_are_refused(tmp_path):
