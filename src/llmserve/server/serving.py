@@ -36,7 +36,8 @@ from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatComple
 from llmserve.server.response_shaping import ResponseOptions, fim_prompt
 from llmserve.server.responses import ResponseHeader
 from llmserve.server.tool_calls import prepare_messages
-from llmserve.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect
+from llmserve.server.sse import (ClientDisconnected, EventStreamResponse, replay_response,
+                                 run_until_disconnect)
 from llmserve.server.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
 
 logger = logging.getLogger(__name__)
@@ -47,28 +48,6 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = ServerLimits().max_body_bytes
 #: Bodies larger than this are decoded and validated in a worker thread.
 _PARSE_INLINE_BYTES = 64 * 1024
-#: Response header set on a response replayed from the idempotency store.
-REPLAYED_HEADER = "Idempotent-Replayed"
-
-
-def replay_response(stored: CapturedResponse) -> Any:
-    """The HTTP response for a stored one: the same SSE events, or the same JSON body
-    (``Idempotent-Replayed: true`` unless it is a response-cache hit)."""
-    headers = {k: v for k, v in stored.headers.items()
-               if k.lower() not in ("content-type", "content-length", "x-request-id")}
-    if stored.replay_kind == "idempotency":
-        headers[REPLAYED_HEADER] = "true"
-    if stored.events is not None:
-        events = list(stored.events)
-
-        async def replay() -> Any:
-            for payload in events:
-                yield b"data: " + payload.encode("utf-8") + b"\n\n"
-
-        return EventStreamResponse(replay(), headers=headers)
-    return JSONResponse(stored.body, status_code=stored.status, headers=headers)
-
-
 def _too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"Request body too large (limit {limit} bytes)", code="request_too_large")
 

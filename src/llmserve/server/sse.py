@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from llmserve.server.errors import OpenAIError
+
+if TYPE_CHECKING:
+    from llmserve.server.gateway_hook import CapturedResponse
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +151,25 @@ class EventStreamResponse(Response):
             await _cancel_and_wait(pump, watcher)
             if self.on_close is not None:
                 await self.on_close()
+
+
+#: Response header set on a response replayed from the idempotency store.
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+def replay_response(stored: "CapturedResponse") -> Any:
+    """The HTTP response for a stored one: the same SSE events, or the same JSON body
+    (``Idempotent-Replayed: true`` unless it is a response-cache hit)."""
+    headers = {k: v for k, v in stored.headers.items()
+               if k.lower() not in ("content-type", "content-length", "x-request-id")}
+    if stored.replay_kind == "idempotency":
+        headers[REPLAYED_HEADER] = "true"
+    if stored.events is not None:
+        events = list(stored.events)
+
+        async def replay() -> Any:
+            for payload in events:
+                yield b"data: " + payload.encode("utf-8") + b"\n\n"
+
+        return EventStreamResponse(replay(), headers=headers)
+    return JSONResponse(stored.body, status_code=stored.status, headers=headers)
