@@ -218,8 +218,9 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
     return out_path
 
 
-def add_decoder_hparams(writer, cfg: dict) -> None:
-    """The GGUF hyper-parameters every tiny decoder file has, from its HF ``config.json``."""
+def add_decoder_hparams(writer, cfg: dict, rope: bool = True) -> None:
+    """The GGUF hyper-parameters every tiny decoder file has, from its HF ``config.json``
+    (``rope=False``: the caller writes the rotary keys itself)."""
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -228,7 +229,8 @@ def add_decoder_hparams(writer, cfg: dict) -> None:
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if rope:
+        writer.add_rope_dimension_count(cfg["head_dim"])
+        writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])

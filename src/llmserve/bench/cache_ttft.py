@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from llmserve.bench.compare import ServerProcess, ServerSpec
 from llmserve.gateway.config import hash_api_key
 
 KEY = "sk-bench-" + uuid.uuid4().hex
@@ -69,22 +68,13 @@ def run(args: argparse.Namespace) -> int:
               "tenants": {"t": {"keys": [hash_api_key(KEY)], "response_cache": True,
                                 "bundle_pinned_blocks": 256}}}
     (folder / "gw.yaml").write_text(yaml.safe_dump(config))
-    env = dict(os.environ)
-    server = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--config",
-                               str(folder / "gw.yaml"), "--served-model-name", "default",
-                               "--port", str(args.port), "--num-kv-blocks", "1024",
-                               "--max-model-len", "2048", "--num-threads", str(args.threads),
-                               *(["--enforce-eager"] if args.eager else [])], env=env,
-                              stdout=open(folder / "server.log", "wb"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    spec = ServerSpec("llmserve-gateway", [
+        sys.executable, "-m", "llmserve.cli", "serve", "--config", str(folder / "gw.yaml"),
+        "--served-model-name", "default", "--host", "{host}", "--port", "{port}",
+        "--num-kv-blocks", "1024", "--max-model-len", "2048", "--num-threads", str(args.threads),
+        *(["--enforce-eager"] if args.eager else [])], port=args.port, ready_paths=("/ready",))
+    with ServerProcess(spec, folder / "server.log") as server:
+        base = server.url
         system = " ".join(f"rule{i % 97} applies" for i in range(args.system_words // 2))
         headers = {"Authorization": f"Bearer {KEY}"}
         with httpx.Client(base_url=base, headers=headers, timeout=300) as client:
@@ -119,8 +109,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(report + "\n")
         if args.json:
             Path(args.json).write_text(report + "\n", encoding="utf-8")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     return 0
 

@@ -64,6 +64,12 @@ class StoreBounds:
     max_bytes: int
     ttl_s: float
 
+    def encode(self, entry: CachedResponse) -> Optional[tuple[str, int]]:
+        """The entry's stored JSON and its size, or None when it exceeds ``max_bytes``."""
+        text = entry.to_json()
+        size = len(text.encode("utf-8"))
+        return None if size > self.max_bytes else (text, size)
+
 
 class MemoryResponseStore:
     """Entries in an LRU dict (lost at restart)."""
@@ -89,10 +95,10 @@ class MemoryResponseStore:
         return CachedResponse.from_json(item[0])
 
     def put(self, entry: CachedResponse) -> bool:
-        text = entry.to_json()
-        size = len(text.encode("utf-8"))
-        if size > self.bounds.max_bytes:
+        encoded = self.bounds.encode(entry)
+        if encoded is None:
             return False
+        text, size = encoded
         now = self._clock()
         with self._lock:
             if entry.key in self._entries:
@@ -156,10 +162,10 @@ class SQLiteResponseStore:
         return CachedResponse.from_json(row["entry"])
 
     def put(self, entry: CachedResponse) -> bool:
-        text = entry.to_json()
-        size = len(text.encode("utf-8"))
-        if size > self.bounds.max_bytes:
+        encoded = self.bounds.encode(entry)
+        if encoded is None:
             return False
+        text, size = encoded
         now = self._clock()
         with self._db.transaction() as conn:
             conn.execute("DELETE FROM response_cache WHERE expires_at <= ?", (now,))

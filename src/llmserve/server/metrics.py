@@ -9,6 +9,7 @@ fingerprint); a few add one bounded label (``finished_reason``, ``endpoint``,
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any, Iterator, Optional
@@ -57,6 +58,31 @@ def short_version(fingerprint: str) -> str:
     return (fingerprint or "unknown")[:12]
 
 
+#: Engine series that read one ``EngineStats`` field each: (kind, name, field, help).
+_STAT_SERIES = (
+    ("gauge", "llmserve_model_weight_bytes", "weight_bytes",
+     "Bytes of model weights resident (quantized formats at their packed size)"),
+    ("counter", "llmserve_spec_proposed_tokens", "spec_proposed_tokens_total",
+     "Speculative draft tokens the target model verified"),
+    ("counter", "llmserve_spec_accepted_tokens", "spec_accepted_tokens_total",
+     "Speculative draft tokens the target model accepted"),
+    ("counter", "llmserve_grammar_mask_seconds", "grammar_mask_seconds_total",
+     "Structured outputs: time spent bringing grammars up to date and computing the "
+     "token bitmasks of constrained rows (per step, on the engine thread)"),
+    ("counter", "llmserve_grammar_mask_steps", "grammar_mask_steps_total",
+     "Engine steps that computed at least one grammar bitmask"),
+    ("counter", "llmserve_grammar_mask_rows", "grammar_mask_rows_total",
+     "Grammar bitmasks computed (one per constrained sequence per step)"),
+    ("counter", "llmserve_grammar_compile_seconds", "grammar_compile_seconds_total",
+     "Time compiling grammars (JSON schemas, regexes ...), off the engine thread"),
+    ("counter", "llmserve_grammar_cache_hits", "grammar_cache_hits",
+     "Structured-output requests whose grammar was already compiled"),
+    ("counter", "llmserve_grammar_cache_misses", "grammar_cache_misses",
+     "Structured-output requests whose grammar had to be compiled"),
+    ("gauge", "llmserve_kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "KV-pool bytes per token slot: all layers, K and V, quantization scales included"),
+)
+
 _SPEC_HIST = "llmserve_spec_acceptance_length"
 _SPEC_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 
@@ -64,12 +90,11 @@ _SPEC_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 def acceptance_buckets(lengths: list[int]) -> tuple[list[tuple[str, float]], float]:
     """Cumulative Prometheus buckets and the sum from ``lengths[a]`` = verifications that
     accepted ``a`` drafts."""
-    out, sum_value = [], 0.0
-    for bound in _SPEC_BUCKETS:
-        out.append((str(float(bound)), float(sum(lengths[:bound + 1]))))
-    out.append(("+Inf", float(sum(lengths))))
-    sum_value = float(sum(a * c for a, c in enumerate(lengths)))
-    return out, sum_value
+    cumulative = list(itertools.accumulate(lengths)) or [0]
+    out = [(str(float(bound)), float(cumulative[min(bound, len(cumulative) - 1)]))
+           for bound in _SPEC_BUCKETS]
+    out.append(("+Inf", float(cumulative[-1])))
+    return out, float(sum(a * c for a, c in enumerate(lengths)))
 
 
 class EngineStatsCollector(Collector):
@@ -140,37 +165,8 @@ class EngineStatsCollector(Collector):
         yield ("counter", "llmserve_step_errors",
                "Engine steps whose model execution raised (the failing requests were "
                "isolated and failed alone)", s.num_step_errors)
-        yield ("gauge", "llmserve_model_weight_bytes",
-               "Bytes of model weights resident (quantized formats at their packed size)",
-               getattr(s, "weight_bytes", 0))
-        yield ("counter", "llmserve_spec_proposed_tokens",
-               "Speculative draft tokens the target model verified",
-               getattr(s, "spec_proposed_tokens_total", 0))
-        yield ("counter", "llmserve_spec_accepted_tokens",
-               "Speculative draft tokens the target model accepted",
-               getattr(s, "spec_accepted_tokens_total", 0))
-        yield ("counter", "llmserve_grammar_mask_seconds",
-               "Structured outputs: time spent bringing grammars up to date and computing the "
-               "token bitmasks of constrained rows (per step, on the engine thread)",
-               getattr(s, "grammar_mask_seconds_total", 0.0))
-        yield ("counter", "llmserve_grammar_mask_steps",
-               "Engine steps that computed at least one grammar bitmask",
-               getattr(s, "grammar_mask_steps_total", 0))
-        yield ("counter", "llmserve_grammar_mask_rows",
-               "Grammar bitmasks computed (one per constrained sequence per step)",
-               getattr(s, "grammar_mask_rows_total", 0))
-        yield ("counter", "llmserve_grammar_compile_seconds",
-               "Time compiling grammars (JSON schemas, regexes ...), off the engine thread",
-               getattr(s, "grammar_compile_seconds_total", 0.0))
-        yield ("counter", "llmserve_grammar_cache_hits",
-               "Structured-output requests whose grammar was already compiled",
-               getattr(s, "grammar_cache_hits", 0))
-        yield ("counter", "llmserve_grammar_cache_misses",
-               "Structured-output requests whose grammar had to be compiled",
-               getattr(s, "grammar_cache_misses", 0))
-        yield ("gauge", "llmserve_kv_cache_bytes_per_token",
-               "KV-pool bytes per token slot: all layers, K and V, quantization scales included",
-               getattr(s, "kv_bytes_per_token", 0))
+        for kind, name, field, doc in _STAT_SERIES:
+            yield (kind, name, doc, getattr(s, field, 0))
 
 
 class ServerMetrics:
