@@ -27,33 +27,18 @@ from typing import Any, Callable, Optional
 
 from llmserve.gateway.prompt_bundles import PromptBundle
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.tool_calls import prepare_messages
+from llmserve.server.tool_calls import chat_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
 _PROBE_TURN = {"role": "user", "content": "?"}
 
 
-def chat_tokens(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-    """The chat template's token ids, as the server builds chat prompts (tools rendered
-    the same way: into the template, or into the system message when it has no tools)."""
-    messages, tools = prepare_messages(messages, tools or [],
-                                       getattr(tokenizer, "chat_template", None))
-    extra = {"tools": tools} if tools else {}
-    encode_chat = getattr(tokenizer, "encode_chat", None)
-    if encode_chat is not None:
-        return list(encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         **extra)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def bundle_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]],
                          tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
     """The bundle prefix (see the module docstring)."""
-    alone = chat_tokens(tokenizer, list(messages), False, tools)
-    followed = chat_tokens(tokenizer, list(messages) + [_PROBE_TURN], True, tools)
+    alone = chat_prompt_tokens(tokenizer, list(messages), False, tools)
+    followed = chat_prompt_tokens(tokenizer, list(messages) + [_PROBE_TURN], True, tools)
     n = 0
     for a, b in zip(alone, followed):
         if a != b:

@@ -90,7 +90,7 @@ def create_engine_app(engine: Any, token: Optional[str] = None) -> FastAPI:
                                      deadline=body.get("deadline"),
                                      queue_deadline=body.get("queue_deadline"), **extra)
             async for out in stream:
-                yield encode_line({"output": output_to_dict(out)})
+                yield encode_line({"output": output_to_dict(out, with_prompt=False)})
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router as an event
             if not isinstance(exc, ValueError):
                 logger.warning("request %s failed in the engine: %r", request_id, exc)

@@ -86,6 +86,7 @@ class ReplicaClient:
                 "params": params_to_dict(params), "priority": priority,
                 "cache_salt": cache_salt, "deadline": deadline, "queue_deadline": queue_deadline,
                 "prediction": prediction}
+        prompt_ids = body["prompt"]   # increments arrive without their prompt
         lines: asyncio.Queue = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_lines(body, lines))
         try:
@@ -105,7 +106,7 @@ class ReplicaClient:
                 event = json.loads(item)
                 if "error" in event:
                     raise _error_from_event(event["error"], self.base_url)
-                out = output_from_dict(event["output"])
+                out = output_from_dict(event["output"], prompt_ids)
                 yield out
                 if out.finished:
                     return

@@ -22,7 +22,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.spec import StructuredOutputSpec
 
 #: Bumped when a message changes incompatibly; the router refuses an engine of another one.
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 def _init_fields(cls: type) -> list[str]:
@@ -73,11 +73,13 @@ def _logprobs_from_list(items: Optional[list[dict]]) -> Optional[list[TokenLogpr
                          [TopLogprob(a, b, c) for a, b, c in t["top"]]) for t in items]
 
 
-def output_to_dict(out: RequestOutput) -> dict[str, Any]:
-    """One streamed increment (``error`` is sent separately, see :func:`error_to_dict`)."""
-    return {
-        "request_id": out.request_id, "prompt": out.prompt,
-        "prompt_token_ids": list(out.prompt_token_ids), "finished": out.finished,
+def output_to_dict(out: RequestOutput, with_prompt: bool = True) -> dict[str, Any]:
+    """One streamed increment (``error`` is sent separately, see :func:`error_to_dict`).
+
+    ``with_prompt=False`` leaves out the prompt and its token ids, which the receiver
+    already has (a stream would otherwise carry the whole prompt with every token)."""
+    data = {
+        "request_id": out.request_id, "finished": out.finished,
         "num_cached_tokens": out.num_cached_tokens,
         "metrics": dataclasses.asdict(out.metrics) if out.metrics is not None else None,
         "prompt_logprobs": (None if out.prompt_logprobs is None else
@@ -89,10 +91,16 @@ def output_to_dict(out: RequestOutput) -> dict[str, Any]:
                      "rejected_prediction_tokens": c.rejected_prediction_tokens}
                     for c in out.outputs],
     }
+    if with_prompt:
+        data["prompt"] = out.prompt
+        data["prompt_token_ids"] = list(out.prompt_token_ids)
+    return data
 
 
-def output_from_dict(data: dict[str, Any]) -> RequestOutput:
-    """The RequestOutput of :func:`output_to_dict`."""
+def output_from_dict(data: dict[str, Any],
+                     prompt_token_ids: Optional[list[int]] = None) -> RequestOutput:
+    """The RequestOutput of :func:`output_to_dict`; ``prompt_token_ids`` stand in for the
+    ones an increment sent without its prompt."""
     metrics = RequestMetrics(**data["metrics"]) if data.get("metrics") else None
     outputs = [CompletionOutput(index=c["index"], text=c["text"], token_ids=c["token_ids"],
                                 finish_reason=c["finish_reason"], stop_reason=c["stop_reason"],
@@ -104,8 +112,9 @@ def output_from_dict(data: dict[str, Any]) -> RequestOutput:
     prompt_lps = data.get("prompt_logprobs")
     if prompt_lps is not None:
         prompt_lps = [None] + (_logprobs_from_list(prompt_lps[1:]) or [])
-    return RequestOutput(request_id=data["request_id"], prompt=data["prompt"],
-                         prompt_token_ids=data["prompt_token_ids"], outputs=outputs,
+    return RequestOutput(request_id=data["request_id"], prompt=data.get("prompt"),
+                         prompt_token_ids=data.get("prompt_token_ids", prompt_token_ids or []),
+                         outputs=outputs,
                          finished=data["finished"], num_cached_tokens=data["num_cached_tokens"],
                          metrics=metrics, prompt_logprobs=prompt_lps)
 

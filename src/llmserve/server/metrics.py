@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from llmserve.protocol import RequestMetrics
-from llmserve.server.metrics_admission import AdmissionMetrics, PrefixCacheNamespaceCollector
+from llmserve.server.metrics_admission import (AdmissionMetrics, add_namespace_samples,
+                                               namespace_families)
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +111,14 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         families: dict[str, Any] = {}
+        ns_queries, ns_hits = namespace_families(LABELS)
         for engine, lv in self._engines:
             try:
                 stats = engine.get_stats()
             except Exception:  # noqa: BLE001 - a broken engine must not break /metrics
                 logger.exception("engine.get_stats() failed during a metrics scrape")
                 continue
+            add_namespace_samples(ns_queries, ns_hits, stats, lv)
             for kind, name, doc, value in self._samples(stats):
                 family = families.get(name)
                 if family is None:
@@ -132,6 +135,8 @@ class EngineStatsCollector(Collector):
                 buckets, total = acceptance_buckets(lengths)
                 family.add_metric(lv, buckets, total)
         yield from families.values()
+        yield ns_queries
+        yield ns_hits
 
     @staticmethod
     def _samples(s: Any) -> Iterator[tuple[str, str, str, float]]:
@@ -216,20 +221,13 @@ class ServerMetrics:
         extra = getattr(engine, "metrics_collector", None)  # e.g. a router's per-replica series
         if callable(extra):
             reg.register(extra())
-        self._install_admission_metrics(engine)
-
-    def _install_admission_metrics(self, engine: Any) -> None:
-        """Rejections, cancel-to-KV-freed latency, per-namespace prefix-cache counters
-        (:mod:`llmserve.server.metrics_admission`)."""
+        # rejections and cancel-to-KV-freed latency (the per-namespace prefix-cache
+        # counters come with the engine series: one stats snapshot per engine and scrape)
         self.admission = AdmissionMetrics(self.registry, LABELS, self.label_values)
-        self._prefix_namespaces = PrefixCacheNamespaceCollector(LABELS)
-        self._prefix_namespaces.add(engine, self.label_values)
-        self.registry.register(self._prefix_namespaces)
 
     def add_engine(self, engine: Any, model_name: str, fingerprint: str) -> None:
         """Export the engine gauges and counters of another served engine as well."""
         self._engine_stats.add(engine, (model_name, short_version(fingerprint)))
-        self._prefix_namespaces.add(engine, (model_name, short_version(fingerprint)))
 
     def count_success(self, finished_reason: str) -> None:
         self._success.labels(*self.label_values, str(finished_reason)).inc()

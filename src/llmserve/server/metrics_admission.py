@@ -8,7 +8,8 @@
 * ``llmserve_prefix_cache_namespace_queries_total{cache_namespace}`` and
   ``..._hits_total{cache_namespace}``: the engine's prefix-cache counters per cache
   namespace (a gateway tenant's ``tenant:<name>``, a shared ``shared:<name>``, or
-  ``none``), read from ``EngineStats.prefix_*_tokens_by_tenant`` at scrape time. The
+  ``none``), from ``EngineStats.prefix_*_tokens_by_tenant`` (filled by the engine
+  collector of server/metrics.py from the same snapshot as the other engine series). The
   namespaces come from the gateway config, so the label is bounded; past
   :data:`MAX_NAMESPACES` series per engine the rest are summed under ``other``.
 
@@ -16,14 +17,11 @@ Exact definitions: docs/METRICS.md. No torch here.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 
-logger = logging.getLogger(__name__)
 
 #: Every value of the ``reason`` label of ``llmserve_requests_rejected_total``.
 REJECTION_REASONS = ("auth", "rate_limit", "queue_full", "kv_pressure", "too_large", "timeout",
@@ -75,38 +73,25 @@ class AdmissionMetrics:
         self._rejected.labels(*self._lv, rejection_reason(status, code)).inc()
 
 
-class PrefixCacheNamespaceCollector(Collector):
-    """Per-namespace prefix-cache counters of one or more engines, read at scrape time."""
+def namespace_families(labels: tuple[str, ...]) -> tuple[Any, Any]:
+    """The two per-namespace prefix-cache counter families (queries, hits), empty."""
+    names = list(labels) + ["cache_namespace"]
+    return (CounterMetricFamily("llmserve_prefix_cache_namespace_queries",
+                                "Prompt tokens looked up in the prefix cache, by cache namespace",
+                                labels=names),
+            CounterMetricFamily("llmserve_prefix_cache_namespace_hits",
+                                "Prompt tokens found in the prefix cache, by cache namespace",
+                                labels=names))
 
-    def __init__(self, labels: tuple[str, ...]) -> None:
-        self._labels = labels
-        self._engines: list[tuple[Any, list[str]]] = []
 
-    def add(self, engine: Any, label_values: tuple[str, ...]) -> None:
-        """Export this engine's per-namespace counters too."""
-        self._engines.append((engine, list(label_values)))
-
-    def collect(self) -> Iterator[Any]:
-        labels = list(self._labels) + ["cache_namespace"]
-        queries = CounterMetricFamily(
-            "llmserve_prefix_cache_namespace_queries",
-            "Prompt tokens looked up in the prefix cache, by cache namespace", labels=labels)
-        hits = CounterMetricFamily(
-            "llmserve_prefix_cache_namespace_hits",
-            "Prompt tokens found in the prefix cache, by cache namespace", labels=labels)
-        for engine, lv in self._engines:
-            try:
-                stats = engine.get_stats()
-            except Exception:  # noqa: BLE001 - a broken engine must not break /metrics
-                logger.exception("engine.get_stats() failed during a metrics scrape")
-                continue
-            query_by = dict(getattr(stats, "prefix_query_tokens_by_tenant", None) or {})
-            hit_by = dict(getattr(stats, "prefix_hit_tokens_by_tenant", None) or {})
-            for name, (queried, hit) in _bounded(query_by, hit_by).items():
-                queries.add_metric(lv + [name], queried)
-                hits.add_metric(lv + [name], hit)
-        yield queries
-        yield hits
+def add_namespace_samples(queries: Any, hits: Any, stats: Any, label_values: list[str]) -> None:
+    """One engine's per-namespace counters from its stats snapshot (at most MAX_NAMESPACES
+    namespaces, the rest as "other")."""
+    query_by = dict(getattr(stats, "prefix_query_tokens_by_tenant", None) or {})
+    hit_by = dict(getattr(stats, "prefix_hit_tokens_by_tenant", None) or {})
+    for name, (queried, hit) in _bounded(query_by, hit_by).items():
+        queries.add_metric(label_values + [name], queried)
+        hits.add_metric(label_values + [name], hit)
 
 
 def _bounded(query_by: dict[str, int], hit_by: dict[str, int]) -> dict[str, tuple[int, int]]:

@@ -35,7 +35,7 @@ from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatComple
                                              parse_request)
 from llmserve.server.response_shaping import ResponseOptions, fim_prompt
 from llmserve.server.responses import ResponseHeader
-from llmserve.server.tool_calls import prepare_messages
+from llmserve.server.tool_calls import chat_prompt_tokens
 from llmserve.server.sse import (ClientDisconnected, EventStreamResponse, replay_response,
                                  run_until_disconnect)
 from llmserve.server.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
@@ -131,15 +131,7 @@ class OpenAIServing:
 
     def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]],
                      tools: Optional[list[dict]] = None) -> list[int]:
-        tok = engine.tokenizer
-        messages, tools = prepare_messages(messages, tools or [],
-                                           getattr(tok, "chat_template", None))
-        extra = {"tools": tools} if tools else {}
-        encode_chat = getattr(tok, "encode_chat", None)
-        if encode_chat is not None:  # message text is never parsed for special tokens
-            return list(encode_chat(messages, add_generation_prompt=True, **extra))
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        return list(tok.encode(text, add_special_tokens=False))
+        return chat_prompt_tokens(engine.tokenizer, messages, True, tools)
 
     def _text_prompts(self, engine: Any, prompts: list[Union[str, list[int]]],
                       suffix: Optional[str] = None) -> list[list[int]]:

@@ -305,3 +305,19 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """The chat template's token ids for ``messages``: tools go into the template, or into
+    the system message when the template has no tools; message text is never parsed for
+    special tokens (``encode_chat``). The one builder of chat prompts (requests, bundles)."""
+    messages, tools = prepare_messages(messages, tools or [],
+                                       getattr(tokenizer, "chat_template", None))
+    extra = {"tools": tools} if tools else {}
+    encode_chat = getattr(tokenizer, "encode_chat", None)
+    if encode_chat is not None:
+        return list(encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         **extra)
+    return list(tokenizer.encode(text, add_special_tokens=False))
