@@ -17,7 +17,6 @@ See docs/CACHING.md. No torch.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -83,12 +82,9 @@ class GatewayCaches:
 
     # ------------------------------------------------------------------ request path
 
-    def prepare(self, ctx: RequestContext, tenant: TenantConfig) -> RequestCaches:
-        """Bundle and response-cache decisions for a parsed request (see the module docstring)."""
-        try:
-            body = json.loads(ctx.raw_body)
-        except ValueError as e:  # the server validated it; be safe anyway
-            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    def prepare(self, ctx: RequestContext, tenant: TenantConfig, body: Any) -> RequestCaches:
+        """Bundle and response-cache decisions for a parsed request (see the module
+        docstring); ``body`` is the request's JSON, decoded once by the gateway."""
         rc = RequestCaches()
         ref = body.get("prompt_bundle") if ctx.endpoint == "chat.completions" else None
         if ref is not None:

@@ -56,6 +56,7 @@ from llmserve.gateway.routing import ModelRouter
 from llmserve.gateway.request_log import log_request_summary
 from llmserve.protocol import priority_value
 from llmserve.server.errors import OpenAIError
+from llmserve.server.server_limits import PARSE_INLINE_BYTES
 from llmserve.server.gateway_hook import (CapturedResponse, ExtraRoute, RequestContext,
                                           RequestOutcome)
 
@@ -65,6 +66,18 @@ request_logger = logging.getLogger("llmserve.requests")
 _STATE = "gateway"
 #: How often expired idempotency records are purged (seconds).
 PURGE_INTERVAL_S = 60.0
+
+
+async def _parsed_body(ctx: RequestContext) -> Any:
+    """The request body as JSON, decoded once for the bundle, response-cache and
+    idempotency decisions (the server validated it already; 400 if it is not JSON)."""
+    raw = ctx.raw_body or b""
+    try:
+        if len(raw) > PARSE_INLINE_BYTES:
+            return await asyncio.to_thread(json.loads, raw)
+        return json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
 
 
 def to_openai_error(err: GatewayError) -> OpenAIError:
@@ -168,7 +181,8 @@ class TenantGateway:
         with _as_openai():
             self.auth.check_model(st.tenant, ctx.model or "")
             st.timeout_s = parse_request_timeout(ctx.headers.get("x-request-timeout"))
-            st.caches = self.caches.prepare(ctx, st.tenant)
+            body = await _parsed_body(ctx)
+            st.caches = self.caches.prepare(ctx, st.tenant, body)
             key = ctx.headers.get("idempotency-key")
             result = None
             if key is not None:
@@ -176,7 +190,7 @@ class TenantGateway:
                     raise InvalidRequest("Idempotency-Key needs a `database` in the gateway config",
                                          code="idempotency_not_enabled", param="Idempotency-Key")
                 validate_idempotency_key(key)
-                result = await asyncio.to_thread(self._begin, st.tenant.name, key, ctx)
+                result = await asyncio.to_thread(self._begin, st.tenant.name, key, ctx, body)
         if result is not None and result.outcome is BeginOutcome.REPLAY and result.response is not None:
             stored = result.response
             ctx.replay = CapturedResponse(stored.status, dict(stored.headers), body=stored.body,
@@ -213,11 +227,7 @@ class TenantGateway:
                   served_model=hit.served_model, prompt_tokens=hit.prompt_tokens,
                   completion_tokens=hit.completion_tokens)
 
-    def _begin(self, tenant: str, key: str, ctx: RequestContext) -> Any:
-        try:
-            body = json.loads(ctx.raw_body)
-        except ValueError as e:  # the server validated it; be safe anyway
-            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    def _begin(self, tenant: str, key: str, ctx: RequestContext, body: Any) -> Any:
         if self.store is None:
             raise RuntimeError("no idempotency store")
         return self.store.begin(tenant, key, hash_request_body(body, ctx.endpoint), ctx.request_id)

@@ -110,6 +110,13 @@ def validate_idempotency_key(key: str) -> str:
     return key
 
 
+def canonical_json(obj: Any) -> str:
+    """Keys sorted, no insignificant whitespace, UTF-8 kept, no NaN: equal for bodies
+    that differ only in key order or spacing."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
 def hash_request_body(body: Any, endpoint: str = "") -> str:
     """``sha256:<hex>`` of the endpoint and the canonical JSON of the parsed body.
 
@@ -117,9 +124,8 @@ def hash_request_body(body: Any, endpoint: str = "") -> str:
     differ only in key order or spacing hash the same, and the same body sent to two
     endpoints does not.
     """
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                           allow_nan=False)
-    return "sha256:" + hashlib.sha256(f"{endpoint}\n{canonical}".encode("utf-8")).hexdigest()
+    return "sha256:" + hashlib.sha256(
+        f"{endpoint}\n{canonical_json(body)}".encode("utf-8")).hexdigest()
 
 
 class BeginOutcome(str, enum.Enum):

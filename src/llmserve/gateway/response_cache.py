@@ -23,13 +23,13 @@ No torch.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from llmserve.gateway.config_caches import ResponseCacheConfig
+from llmserve.gateway.idempotency import canonical_json
 from llmserve.gateway.response_store import (CachedResponse, MemoryResponseStore,
                                              SQLiteResponseStore, StoreBounds)
 
@@ -86,9 +86,8 @@ def cache_key(*, fingerprint: str, tenant: str, endpoint: str, body: Mapping[str
               bundle: Optional[str] = None) -> str:
     """``rc:<sha256>`` of everything that determines the answer (module docstring)."""
     kept = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
-    blob = json.dumps({"v": 1, "fingerprint": fingerprint, "tenant": tenant,
-                       "endpoint": endpoint, "bundle": bundle, "body": kept},
-                      sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    blob = canonical_json({"v": 1, "fingerprint": fingerprint, "tenant": tenant,
+                           "endpoint": endpoint, "bundle": bundle, "body": kept})
     return "rc:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

@@ -40,6 +40,9 @@ _HEADER_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text
                             b"request header timed out")
 
 
+#: Request bodies larger than this are decoded off the event loop (a worker thread).
+PARSE_INLINE_BYTES = 64 * 1024
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Limits of one HTTP server (see the module docstring); the defaults are safe."""

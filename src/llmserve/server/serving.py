@@ -28,7 +28,7 @@ from llmserve.server.fair_pool import FairThreadPool
 from llmserve.server.gateway_hook import CapturedResponse, RequestContext, call_hook, notify
 from llmserve.server.generation import GenerationRun
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
-from llmserve.server.server_limits import ServerLimits
+from llmserve.server.server_limits import PARSE_INLINE_BYTES, ServerLimits
 from llmserve.server.metrics import RequestTimer, ServerMetrics
 from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatCompletionRequest,
                                              CompletionRequest, make_sampling_params,
@@ -46,8 +46,6 @@ T = TypeVar("T")
 
 #: Largest request body accepted (bytes); a 128k-token id list is about 1 MiB of JSON.
 DEFAULT_MAX_BODY_BYTES = ServerLimits().max_body_bytes
-#: Bodies larger than this are decoded and validated in a worker thread.
-_PARSE_INLINE_BYTES = 64 * 1024
 def _too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"Request body too large (limit {limit} bytes)", code="request_too_large")
 
@@ -265,7 +263,7 @@ class OpenAIServing:
         """
         body = await self._read(request, ctx, arrival)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
-        if len(body) > _PARSE_INLINE_BYTES:  # big JSON: parse off the event loop
+        if len(body) > PARSE_INLINE_BYTES:  # big JSON: parse off the event loop
             req: Any = await self._in_thread(ctx, parse_request, model_cls, body,
                                              self.input_limits)
         else:
