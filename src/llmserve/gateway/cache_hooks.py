@@ -25,7 +25,6 @@ from typing import Any, Optional
 from llmserve.gateway.billing import billing_id
 from llmserve.gateway.bundle_kv import BundleKV
 from llmserve.gateway.config import GatewayConfig, TenantConfig
-from llmserve.gateway.errors import InvalidRequest
 from llmserve.gateway.ledger import UsageRecord
 from llmserve.gateway.prompt_bundles import SHARED, BundleRegistry, PromptBundle
 from llmserve.gateway.response_cache import (CACHE_HEADER, STORABLE_FINISH, CacheDecision,

@@ -212,10 +212,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("messages must be a non-empty array", param="messages")
         if self.modalities is not None and self.modalities != ["text"]:
             raise bad_request("only modalities ['text'] is supported", param="modalities")
-        spec = request_spec(self.response_format, self.structured_outputs)
-        if self.prompt_bundle is not None and not self._bundle_merged:
-            self._output_spec = spec   # tools are checked once the bundle's are merged in
-            return
+        self._output_spec = request_spec(self.response_format, self.structured_outputs)
+        if self.prompt_bundle is None or self._bundle_merged:
+            self._check_tools()   # else once the bundle's tools are merged in
+
+    def _check_tools(self) -> None:
+        """Tools, tool_choice and the tool-call grammar (on top of the request's own output
+        constraint in ``_output_spec``), then top_logprobs."""
+        spec = self._output_spec
         self._tools = check_tools(self.tools)
         self._tool_choice = check_tool_choice(self.tool_choice, self._tools)
         tool_spec = tool_call_spec(self._tools, self._tool_choice,
@@ -232,7 +236,7 @@ class ChatCompletionRequest(_SamplingFields):
         that :meth:`check` left for now (400 for a name given twice, an unknown choice)."""
         self.tools = list(tools or []) + list(self.tools or [])
         self._bundle_merged = True
-        self.check()
+        self._check_tools()
 
     @property
     def checked_tools(self) -> list[dict[str, Any]]:

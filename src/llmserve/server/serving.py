@@ -286,7 +286,7 @@ class OpenAIServing:
                                       param="prompt_bundle", code="prompt_bundles_not_enabled")
                 messages = list(ctx.prefix_messages) + messages
                 req.merge_bundle_tools(ctx.prefix_tools)   # the bundle's, then its own
-                params = make_sampling_params(req, requested, max_field, num_logprobs, chat=chat)
+                params = dataclasses.replace(params, structured_output=req.output_spec)
             try:
                 prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages,
                                                  req.checked_tools)]
