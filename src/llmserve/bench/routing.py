@@ -34,19 +34,15 @@ from pathlib import Path
 import httpx
 
 from llmserve.bench.compare import ServerProcess, ServerSpec
+from llmserve.bench.server_counters import parse_counters
 
 logger = logging.getLogger(__name__)
 
 
 def _prefix_counters(url: str) -> tuple[float, float]:
     """(hits, queries) summed over every series of the server's /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    sums = {"llmserve_prefix_cache_hits_total": 0.0, "llmserve_prefix_cache_queries_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            sums[name] += float(line.rsplit(" ", 1)[1])
-    return sums["llmserve_prefix_cache_hits_total"], sums["llmserve_prefix_cache_queries_total"]
+    counters = parse_counters(httpx.get(url + "/metrics", timeout=10).text)
+    return counters.get("prefix_cache_hits", 0.0), counters.get("prefix_cache_queries", 0.0)
 
 
 def _kill_one_replica(front_pid: int) -> Optional[int]:

@@ -16,23 +16,16 @@ See docs/CACHING.md. No torch.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Any, Optional
 
-from llmserve.gateway.auth import Authenticator, parse_bearer
+from llmserve.gateway.auth import Authenticator, match_key_hash, parse_bearer
 from llmserve.gateway.cache_hooks import GatewayCaches, tenant_owner
-from llmserve.gateway.config import GatewayConfig, TenantConfig, hash_api_key
+from llmserve.gateway.config import GatewayConfig, TenantConfig
 from llmserve.gateway.errors import (AuthenticationError, GatewayError, InvalidRequest,
-                                     PermissionDeniedError)
+                                     PermissionDeniedError, to_openai_error)
 from llmserve.gateway.prompt_bundles import SHARED, BundleNotFound, parse_bundle_body, parse_ref
-from llmserve.server.errors import OpenAIError
 from llmserve.server.gateway_hook import ExtraRoute, HTTPCall
-
-
-def _openai(err: GatewayError) -> OpenAIError:
-    return OpenAIError(err.status, err.message, param=err.param, code=err.code, type=err.type,
-                       headers=err.headers())
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -53,7 +46,7 @@ class AdminAPI:
         self.auth = auth
         self.caches = caches
         hashes = config.admin.key_hashes if config.admin is not None else ()
-        self._admin_hashes = [h.encode("ascii") for h in hashes]
+        self._admin_hashes = [(h.encode("ascii"), True) for h in hashes]
 
     def routes(self) -> list[ExtraRoute]:
         return [ExtraRoute("POST", "/v1/prompt_bundles", self._wrap(self.create_bundle)),
@@ -69,7 +62,7 @@ class AdminAPI:
             try:
                 return await handler(call)
             except GatewayError as err:
-                raise _openai(err) from None
+                raise to_openai_error(err) from None
         return run
 
     # ------------------------------------------------------------------ who calls
@@ -79,11 +72,7 @@ class AdminAPI:
         key = parse_bearer(call.headers.get("authorization"))
         if key is None or not self._admin_hashes:
             return False
-        presented = hash_api_key(key).encode("ascii")
-        found = False
-        for stored in self._admin_hashes:
-            found |= hmac.compare_digest(stored, presented)
-        return found
+        return bool(match_key_hash(key, self._admin_hashes))
 
     def _caller(self, call: HTTPCall) -> tuple[str, Optional[TenantConfig]]:
         """(bundle owner, tenant): the shared owner for the admin key, else the tenant's."""

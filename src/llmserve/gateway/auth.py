@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Optional
+from typing import Optional, Sequence, TypeVar
 
 from llmserve.gateway.config import GatewayConfig, TenantConfig, hash_api_key
 from llmserve.gateway.errors import AuthenticationError, PermissionDeniedError
@@ -65,11 +65,7 @@ class Authenticator:
             raise AuthenticationError(
                 "Missing API key; send 'Authorization: Bearer <API key>'", code="missing_api_key"
             )
-        presented = hash_api_key(key).encode("ascii")
-        found: Optional[TenantConfig] = None
-        for stored, tenant in self._entries:  # no early exit: constant time in the match
-            if hmac.compare_digest(stored, presented):
-                found = tenant
+        found = match_key_hash(key, self._entries)
         if found is None:
             logger.info("rejected an unknown API key")
             raise AuthenticationError("Incorrect API key provided", code="invalid_api_key")
@@ -93,3 +89,17 @@ class Authenticator:
         if fallback is None or not tenant.allows_model(fallback):
             return None
         return fallback
+
+
+T = TypeVar("T")
+
+
+def match_key_hash(key: str, entries: Sequence[tuple[bytes, T]]) -> Optional[T]:
+    """The value stored with ``key``'s hash among ``(hash bytes, value)`` entries, or None;
+    every entry is compared (no early exit), so the time does not depend on the match."""
+    presented = hash_api_key(key).encode("ascii")
+    found = None
+    for stored, value in entries:
+        if hmac.compare_digest(stored, presented):
+            found = value
+    return found

@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
-from llmserve.gateway.admin import AdminAPI
-from llmserve.gateway.cache_hooks import GatewayCaches
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.hook import TenantGateway
 from llmserve.gateway.idempotency import IdempotencyStore
@@ -66,14 +64,13 @@ def build_gateway(config_path: str, engine: Any, *, fallback_engines: Optional[M
                                                     for t in config.tenants.values()])
         store = IdempotencyStore(config.database, ttl_s=config.idempotency_ttl_s,
                                  lease_s=max(3600.0, config.queue.timeout_s + longest + 60.0))
-    gateway = TenantGateway(config, models, ledger=ledger, store=store)
     response_cache = None
     if any(t.response_cache for t in config.tenants.values()):
         response_cache = ResponseCache.build(config.response_cache, config.database)
     bundles = BundleRegistry(config.database, config.prompt_bundles.max_versions,
                              config.prompt_bundles.max_bundles_per_tenant)
-    gateway.caches = GatewayCaches(config, gateway.router, response_cache, bundles)
-    gateway.admin = AdminAPI(config, gateway.auth, gateway.caches)
+    gateway = TenantGateway(config, models, ledger=ledger, store=store,
+                            response_cache=response_cache, bundles=bundles)
     for eng in {id(e): e for e in models.values()}.values():
         configure = getattr(eng, "engine", None)
         if configure is not None and hasattr(configure, "set_cache_audit_rate"):

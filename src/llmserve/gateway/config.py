@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -23,6 +22,7 @@ from llmserve.gateway.config_caches import (AdminConfig, CacheAuditConfig, Promp
                                             ResponseCacheConfig, non_negative_int, parse_admin,
                                             parse_cache_audit, parse_prompt_bundles,
                                             parse_response_cache)
+from llmserve.gateway.config_caches import key_hashes as parse_key_hashes
 from llmserve.gateway.config_fields import (Section, boolean, fraction, identifier, mapping,
                                             parse_toml, positive_int, positive_number, string,
                                             string_list)
@@ -30,7 +30,6 @@ from llmserve.protocol import PRIORITY_CLASSES, priority_value
 from llmserve.server.server_limits import ServerLimits
 
 KEY_HASH_PREFIX = "sha256:"
-_KEY_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 OPEN_TENANT = "default"
 #: Default ``max_tokens_reservation``: completion tokens reserved for a request without max_tokens.
 DEFAULT_MAX_TOKENS_RESERVATION = 512
@@ -296,18 +295,8 @@ def _parse_tenants(data: Optional[Mapping]) -> dict[str, TenantConfig]:
 
 def _parse_tenant(name: str, section: Section) -> TenantConfig:
     path = section.path
-    raw_keys = section.take("keys", string_list, None)
-    if not raw_keys:
-        raise ValueError(f"{path}.keys: required, a non-empty list of \"sha256:<hex>\" key hashes")
-    key_hashes = []
-    for i, key_hash in enumerate(raw_keys):
-        normal = key_hash.strip().lower()
-        if not _KEY_HASH_RE.match(normal):
-            raise ValueError(f"{path}.keys[{i}]: expected \"sha256:<64 hex digits>\" "
-                             "(`llmserve keys hash KEY` prints it); plain keys are not accepted")
-        if normal in key_hashes:
-            raise ValueError(f"{path}.keys[{i}]: duplicate key")
-        key_hashes.append(normal)
+    key_hashes = parse_key_hashes(section.data.get("keys"), f"{path}.keys")
+    section.seen.add("keys")
     models = section.take("models", string_list, ["*"])
     if not models:
         raise ValueError(f"{path}.models: must list at least one model pattern (\"*\" for all)")

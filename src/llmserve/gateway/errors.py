@@ -11,7 +11,10 @@ No HTTP framework is imported here, so the classes are usable from any server.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+if TYPE_CHECKING:
+    from llmserve.server.errors import OpenAIError
 
 
 def retry_after_seconds(seconds: float) -> int:
@@ -158,3 +161,11 @@ class IdempotencyMismatch(GatewayError):
 
     def __init__(self, message: str = "This Idempotency-Key was already used with a different request") -> None:
         super().__init__(422, message, "idempotency_error", "idempotency_key_reused", "Idempotency-Key")
+
+
+def to_openai_error(err: GatewayError) -> "OpenAIError":
+    """The server's error for a gateway error: same status, body fields and headers."""
+    from llmserve.server.errors import OpenAIError
+
+    return OpenAIError(err.status, err.message, param=err.param, code=err.code, type=err.type,
+                       headers=err.headers())

@@ -44,18 +44,18 @@ from llmserve.gateway.cache_metrics import CacheMetricsCollector
 from llmserve.gateway.auth import Authenticator
 from llmserve.gateway.billing import CLIENT_CLOSED_STATUS, usage_record, write_outcome
 from llmserve.gateway.config import GatewayConfig, TenantConfig
-from llmserve.gateway.errors import GatewayError, InvalidRequest
+from llmserve.gateway.errors import GatewayError, InvalidRequest, to_openai_error
 from llmserve.gateway.idempotency import (BeginOutcome, IdempotencyStore, PeriodicTask,
                                           hash_request_body, validate_idempotency_key)
 from llmserve.gateway.kv_admission import KVCommitment
 from llmserve.gateway.ledger import BillingLedger
-from llmserve.gateway.response_cache import CACHE_HEADER
+from llmserve.gateway.prompt_bundles import BundleRegistry
+from llmserve.gateway.response_cache import CACHE_HEADER, ResponseCache
 from llmserve.gateway.response_store import CachedResponse
 from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter, estimate_tokens_from_bytes
 from llmserve.gateway.routing import ModelRouter
 from llmserve.gateway.request_log import log_request_summary
 from llmserve.protocol import priority_value
-from llmserve.server.errors import OpenAIError
 from llmserve.server.server_limits import PARSE_INLINE_BYTES
 from llmserve.server.gateway_hook import (CapturedResponse, ExtraRoute, RequestContext,
                                           RequestOutcome)
@@ -78,12 +78,6 @@ async def _parsed_body(ctx: RequestContext) -> Any:
         return json.loads(raw)
     except ValueError as e:
         raise InvalidRequest(f"the body is not valid JSON: {e}") from None
-
-
-def to_openai_error(err: GatewayError) -> OpenAIError:
-    """The server's error for a gateway error: same status, body fields and headers."""
-    return OpenAIError(err.status, err.message, param=err.param, code=err.code, type=err.type,
-                       headers=err.headers())
 
 
 @contextlib.contextmanager
@@ -130,22 +124,24 @@ class TenantGateway:
         store: idempotency store, or None (an ``Idempotency-Key`` header is then a 400).
         limiter: per-tenant rate limiter (a fresh one by default).
         purge_interval_s: how often expired idempotency records are deleted.
-        caches: prompt bundles and the response cache (default: bundles in memory, no
-            response cache; ``build_gateway`` builds them from the config).
+        response_cache: the response cache, or None (``build_gateway`` builds it from the
+            config when a tenant opts in).
+        bundles: the prompt-bundle registry (default: in memory).
     """
 
     def __init__(self, config: GatewayConfig, models: Mapping[str, Any], *,
                  ledger: Optional[BillingLedger] = None, store: Optional[IdempotencyStore] = None,
                  limiter: Optional[TenantRateLimiter] = None,
                  purge_interval_s: float = PURGE_INTERVAL_S,
-                 caches: Optional[GatewayCaches] = None) -> None:
+                 response_cache: Optional[ResponseCache] = None,
+                 bundles: Optional[BundleRegistry] = None) -> None:
         self.config = config
         self.auth = Authenticator(config)
         self.limiter = limiter or TenantRateLimiter()
         self.ledger = ledger
         self.store = store
         self.router = ModelRouter(config, models, self.auth)
-        self.caches = caches or GatewayCaches(config, self.router)
+        self.caches = GatewayCaches(config, self.router, response_cache, bundles)
         self.admin = AdminAPI(config, self.auth, self.caches)
         self._purger = None
         if store is not None:

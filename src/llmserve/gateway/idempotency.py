@@ -63,7 +63,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from llmserve.gateway.errors import IdempotencyConflict, IdempotencyMismatch, InvalidRequest
 from llmserve.gateway.process_identity import current_process, owner_is_dead
-from llmserve.gateway.sqlite_db import SQLiteDatabase
+from llmserve.gateway.sqlite_db import SQLiteDatabase, add_missing_columns
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +184,7 @@ class IdempotencyStore:
         self._db = SQLiteDatabase(db_path, synchronous=synchronous)
         with self._db.connection() as conn:
             conn.executescript(_SCHEMA)
-            present = {row[1] for row in conn.execute("PRAGMA table_info(idempotency_keys)")}
-            for column, kind in _ADDED_COLUMNS.items():
-                if column not in present:
-                    conn.execute(f"ALTER TABLE idempotency_keys ADD COLUMN {column} {kind}")
+            add_missing_columns(conn, "idempotency_keys", _ADDED_COLUMNS)
         if reclaim:
             self.reclaim_dead_owners()
 

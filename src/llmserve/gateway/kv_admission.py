@@ -86,7 +86,6 @@ class KVAdmission:
         self._committed = 0
         self._in_flight = 0
         self._releases: collections.deque[tuple[float, int]] = collections.deque()
-        self.rejected_total = 0
 
     def _live(self) -> tuple[int, int]:
         """(blocks in use, blocks in the pool) from the engine's stats."""
@@ -100,7 +99,6 @@ class KVAdmission:
         with self._lock:
             projected = max(used, self._committed)
             if self._in_flight and projected + blocks > limit:
-                self.rejected_total += 1
                 wait = self._estimate_wait(projected + blocks - limit)
                 raise KVCachePressureError(
                     f"The server's KV cache is nearly full ({projected} of {total} blocks in use "

@@ -40,7 +40,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import IO, Any, Optional, Union
 
-from llmserve.gateway.sqlite_db import SQLiteDatabase
+from llmserve.gateway.sqlite_db import SQLiteDatabase, add_missing_columns
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +178,8 @@ def csv_safe(value: Any) -> Any:
 
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a ledger written by an older version up to the current schema (idempotent)."""
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
-    if "idempotency_run" not in columns:
-        conn.execute("ALTER TABLE usage ADD COLUMN idempotency_run TEXT")
-    if "cache_hit" not in columns:
-        conn.execute("ALTER TABLE usage ADD COLUMN cache_hit INTEGER NOT NULL DEFAULT 0")
+    add_missing_columns(conn, "usage", {"idempotency_run": "TEXT",
+                                        "cache_hit": "INTEGER NOT NULL DEFAULT 0"})
     conn.executescript(_RUN_INDEX)
 
 

@@ -11,7 +11,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from llmserve.gateway.sqlite_db import SQLiteDatabase
@@ -199,8 +199,3 @@ class SQLiteResponseStore:
 
     def close(self) -> None:
         self._db.close()
-
-
-def with_headers(entry: CachedResponse, **headers: str) -> CachedResponse:
-    """A copy of ``entry`` whose headers have these set."""
-    return replace(entry, headers={**entry.headers, **headers})

@@ -89,3 +89,12 @@ class SQLiteDatabase:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+def add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """``ALTER TABLE ... ADD COLUMN`` each of ``columns`` (name -> declaration) that
+    ``table`` lacks: brings a database written by an older version up to date."""
+    present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    for column, declaration in columns.items():
+        if column not in present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")

@@ -132,5 +132,3 @@ class ReplicaSet:
         with self.lock:
             return [r for r in self.replicas if r.admitted]
 
-    def is_admitted(self, name: str) -> bool:
-        return self.by_name[name].admitted

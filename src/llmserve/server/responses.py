@@ -110,19 +110,6 @@ class ResponseHeader:
         return out
 
 
-def chat_choice(index: int, text: str, finish_reason: Optional[str],
-                logprobs: Optional[list[TokenLogprob]], want_logprobs: bool,
-                stop_reason: Any = None) -> dict[str, Any]:
-    """One choice of a non-streamed chat completion."""
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None},
-        "logprobs": chat_logprobs(logprobs or []) if want_logprobs else None,
-        "finish_reason": openai_finish_reason(finish_reason),
-        "stop_reason": stop_reason,
-    }
-
-
 def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: Optional[str] = None,
                       logprobs: Optional[list[TokenLogprob]] = None,
                       want_logprobs: bool = False, stop_reason: Any = None) -> dict[str, Any]:

@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Largest request body accepted (bytes); a 128k-token id list is about 1 MiB of JSON.
-DEFAULT_MAX_BODY_BYTES = ServerLimits().max_body_bytes
 def _too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"Request body too large (limit {limit} bytes)", code="request_too_large")
 
@@ -58,12 +56,10 @@ def declared_length(request: Request) -> Optional[int]:
 
 async def read_body(request: Request, limit: int, timeout_s: Optional[float] = None,
                     started: Optional[float] = None) -> bytes:
-    """The whole request body, or a 413 once it exceeds ``limit`` bytes, or a 408
+    """The whole request body (a declared ``Content-Length`` is checked by the caller),
+    or a 413 once it exceeds ``limit`` bytes, or a 408
     (``body_read_timeout``, with ``Connection: close``) when it has not fully arrived
     ``timeout_s`` seconds after ``started`` (``time.monotonic()``, default now)."""
-    declared = declared_length(request)
-    if declared is not None and declared > limit:
-        raise _too_large(limit)
     chunks, size = [], 0
     remaining = None
     if timeout_s is not None:
