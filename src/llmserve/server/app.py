@@ -8,6 +8,8 @@ Endpoints:
     GET  /metrics                                      Prometheus text (docs/METRICS.md)
     GET  /openapi.json                                 OpenAPI, with the request and response
                                                        body schemas (server/openapi.py)
+    GET  /, /dashboard, /ui/*, /v1/status              web playground, live dashboard and
+                                                       their status JSON (server/ui.py)
 
 Every error body has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -30,6 +32,8 @@ from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.openapi import install_openapi
 from llmserve.server.server_limits import ServerLimits
 from llmserve.server.serving import OpenAIServing
+from llmserve.server.status import StatusSampler
+from llmserve.server.ui import install_ui_routes
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,7 @@ def create_app(
     register_metrics = getattr(gateway, "register_metrics", None)
     if callable(register_metrics):
         register_metrics(metrics.registry)
+    install_ui_routes(app, StatusSampler(metrics.registry, gateway))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
