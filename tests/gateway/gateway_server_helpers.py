@@ -41,9 +41,10 @@ def write_config(folder: Path, tenants: dict[str, dict[str, Any]], keys: dict[st
 
 
 class ServerProcess:
-    """`python -m llmserve.cli serve --config CFG ...` as a child process."""
+    """`python -m llmserve.cli serve --config CFG ...` as a child process (no gateway
+    when ``config`` is None)."""
 
-    def __init__(self, config: Path, serve_args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, config: Optional[Path], serve_args: Sequence[str], log_path: Path) -> None:
         self.config = config
         self.serve_args = list(serve_args)
         self.log_path = log_path
@@ -59,8 +60,9 @@ class ServerProcess:
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
         self.port = free_port()
+        config = ["--config", str(self.config)] if self.config is not None else []
         cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "INFO", "serve",
-               "--config", str(self.config), "--port", str(self.port), *self.serve_args]
+               *config, "--port", str(self.port), *self.serve_args]
         env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
         log = open(self.log_path, "ab")
         try:
