@@ -10,10 +10,14 @@ the newest figures and, over the last ``window`` seconds of samples:
 * TTFT and inter-token latency percentiles (p50, p90, p99) from the histogram buckets'
   increase over the window, interpolated inside a bucket as Prometheus'
   ``histogram_quantile`` does;
+
+The window's increases run from the newest sample at or before its start (the reading
+taken when the app was built is the first), so after a gap in polling they cover more
+than the window; ``window_s`` says how many seconds they cover.
 * with a gateway and an admin Bearer key: usage per tenant from the billing ledger.
 
-The buffer fills while someone polls (the dashboard polls every second); no thread
-runs in the background. No torch.
+Besides that first reading, the buffer fills while someone polls (the dashboard polls
+every second); no thread runs in the background. No torch.
 """
 from __future__ import annotations
 
@@ -144,6 +148,8 @@ class StatusSampler:
         self._samples: collections.deque[Sample] = collections.deque(
             maxlen=int(MAX_WINDOW_S / min_interval_s) + 2)
         self._lock = asyncio.Lock()
+        # the reading at startup: the first window's increases count from here
+        self._samples.append(read_sample(registry, clock(), wall_clock()))
 
     async def sample(self) -> Sample:
         """Read the registry now; keep the reading unless the last one is too recent."""
@@ -163,7 +169,7 @@ class StatusSampler:
         recent = [s for s in self._samples if latest.t - s.t <= window] or [latest]
         if recent[-1] is not latest:
             recent.append(latest)
-        first = recent[0]
+        first = self._baseline(latest.t - window)
         v = latest.values
         queries = v["prefix_queries"] - first.values["prefix_queries"]
         hits = v["prefix_hits"] - first.values["prefix_hits"]
@@ -191,6 +197,13 @@ class StatusSampler:
         if is_admin:
             body["tenants"] = await asyncio.to_thread(self._tenant_usage, latest.wall - window)
         return body
+
+    def _baseline(self, start: float) -> Sample:
+        """The newest sample taken at or before ``start``, else the oldest one: the
+        window's figures are increases since it (so after a gap in polling they cover
+        more than the window; ``window_s`` says how much)."""
+        before = [s for s in self._samples if s.t <= start]
+        return before[-1] if before else self._samples[0]
 
     @staticmethod
     def _percentiles(latest: Sample, first: Sample, name: str) -> dict[str, Any]:

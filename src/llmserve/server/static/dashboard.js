@@ -88,7 +88,7 @@ function draw(status) {
     {label: "generated", values: col("generation_tokens_per_s"), color: PALETTE[3]}]);
   tenants(status);
   const when = new Date(status.time * 1000).toLocaleTimeString();
-  setText("updated", `Updated ${when} · ${Math.round(status.window_s)} s of samples` +
+  setText("updated", `Updated ${when} · window figures cover the last ${Math.round(status.window_s)} s` +
           (status.gateway && !status.admin ? " · per-tenant usage needs the admin key" : ""));
   document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
 }
