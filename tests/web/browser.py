@@ -69,6 +69,7 @@ def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condi
 
 def open_page(browser: Any, url: str, *, clear_storage: bool = True) -> None:
     """Load ``url``; with ``clear_storage`` start from empty local and session storage."""
+    browser.get_log("browser")   # start with an empty console log
     browser.get(url)
     if clear_storage:
         browser.execute_script("localStorage.clear(); sessionStorage.clear();")

@@ -166,9 +166,6 @@ class StatusSampler:
         admin key when a gateway is configured."""
         is_admin = self._check_admin(authorization)
         latest = await self.sample()
-        recent = [s for s in self._samples if latest.t - s.t <= window] or [latest]
-        if recent[-1] is not latest:
-            recent.append(latest)
         first = self._baseline(latest.t - window)
         v = latest.values
         queries = v["prefix_queries"] - first.values["prefix_queries"]
@@ -190,7 +187,7 @@ class StatusSampler:
                 "generation_tokens_per_s": _rate(latest, first, "generation_tokens"),
             },
             "latency": {name: self._percentiles(latest, first, name) for name in HISTOGRAMS},
-            "series": self._series(recent),
+            "series": self._series(list(self._samples), latest.t - window),
             "gateway": self.gateway is not None,
             "admin": is_admin,
         }
@@ -216,16 +213,20 @@ class StatusSampler:
         return out
 
     @staticmethod
-    def _series(recent: list[Sample]) -> list[dict[str, float]]:
+    def _series(samples: list[Sample], start: float) -> list[dict[str, float]]:
+        """The kept samples from ``start`` on, each with the token rates since the
+        sample before it."""
         points = []
-        for prev, cur in zip([None, *recent[:-1]], recent):
-            point = {"t": round(cur.wall, 3), "running": cur.values["running"],
-                     "waiting": cur.values["waiting"],
-                     "kv_blocks_used": cur.values["kv_blocks_used"]}
-            point["prompt_tokens_per_s"] = _rate(cur, prev, "prompt_tokens") if prev else 0.0
-            point["generation_tokens_per_s"] = (_rate(cur, prev, "generation_tokens")
-                                                if prev else 0.0)
-            points.append(point)
+        for i, cur in enumerate(samples):
+            if cur.t < start:
+                continue
+            prev = samples[i - 1] if i else None
+            points.append({
+                "t": round(cur.wall, 3), "running": cur.values["running"],
+                "waiting": cur.values["waiting"], "kv_blocks_used": cur.values["kv_blocks_used"],
+                "prompt_tokens_per_s": _rate(cur, prev, "prompt_tokens") if prev else 0.0,
+                "generation_tokens_per_s": (_rate(cur, prev, "generation_tokens")
+                                            if prev else 0.0)})
         return points
 
     def _check_admin(self, authorization: Optional[str]) -> bool:

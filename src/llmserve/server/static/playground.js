@@ -142,6 +142,7 @@ function updateButtons() {
   $("stop").disabled = !busy;
   $("regenerate").disabled = busy || !msgs.some((m) => m.role === "user");
   $("new-chat").disabled = busy;
+  $("messages").setAttribute("aria-busy", String(busy));   // read out once the answer is done
 }
 
 // ------------------------------------------------------------------ generation
