@@ -305,6 +305,7 @@ function wire() {
 }
 
 applySettings();
+if (window.matchMedia("(max-width: 720px)").matches) $("settings").open = false;  // phones: chat first
 wire();
 renderAll();
 loadModels();
