@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from typing import Any, Callable, Optional
 
 from llmserve.server.errors import OpenAIError
 from llmserve.server.gateway_hook import HTTPCall
+
+logger = logging.getLogger(__name__)
 
 #: Gauges and counters kept per sample: short name -> exported sample name.
 SCALARS = {
@@ -149,7 +152,10 @@ class StatusSampler:
             maxlen=int(MAX_WINDOW_S / min_interval_s) + 2)
         self._lock = asyncio.Lock()
         # the reading at startup: the first window's increases count from here
-        self._samples.append(read_sample(registry, clock(), wall_clock()))
+        try:
+            self._samples.append(read_sample(registry, clock(), wall_clock()))
+        except Exception:  # noqa: BLE001 - a failing collector must not stop the app
+            logger.exception("reading the metrics registry for /v1/status failed")
 
     async def sample(self) -> Sample:
         """Read the registry now; keep the reading unless the last one is too recent."""
