@@ -36,12 +36,12 @@ browser:
 			"or the web UI tests fail"; \
 	else echo "chromium/chromedriver missing and no apt-get: the web UI tests will skip"; fi
 
-install: $(VENV)/.installed browser
+install: $(VENV)/.installed
 
 serve: install
 	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install
+test: install browser
 	$(PY) -m pytest $(ARGS)
 
 bench: install
