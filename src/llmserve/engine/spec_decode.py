@@ -231,5 +231,4 @@ class SpeculativeDecoder:
 def _constrained(req: Request) -> bool:
     """Requests under a grammar or with logit_bias do not speculate: the verifier scores
     drafts with the unadjusted distribution, so their drafts could break the constraint."""
-    p = req.sampling_params
-    return p.structured_output is not None or bool(p.logit_bias)
+    return req.sampling_params.adjusts_logits

@@ -53,12 +53,6 @@ class _Extended(Sequence[int]):
         yield from self.extra
 
 
-def _plain_greedy(params) -> bool:
-    return (params.temperature == 0.0 and params.logprobs is None
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and not params.min_tokens)
-
-
 def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
                   generators: Sequence[Optional[torch.Generator]], sampler: Sampler,
                   eos_token_ids: Collection[int] = ()) -> Verified:
@@ -91,7 +85,7 @@ def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
     draft_t, seq_t, pos_t = host[0], host[1], host[2]
     has_draft = pos_t < torch.tensor(counts, device=dev)[seq_t] - 1
 
-    if all(_plain_greedy(s.params) for s in samp):
+    if all(s.params.plain_greedy and not s.params.min_tokens for s in samp):
         batch = None
         x = logits
         greedy_rows = None
