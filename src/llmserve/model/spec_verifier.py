@@ -28,7 +28,7 @@ from typing import Collection, Optional, Sequence
 import torch
 
 from llmserve.engine.step_types import StepInput
-from llmserve.model.sampler import Sampler, SamplingBatch
+from llmserve.model.sampler import Sampler, SamplingBatch, inverse_cdf_draw
 
 Verified = tuple[list[list[int]], Optional[list[list[float]]], Optional[list[list[list]]]]
 
@@ -189,9 +189,7 @@ def _draw_final(probs, final_row, has_draft, draft_t, q_rows, u_final, best, gre
     residual = torch.where(rejected.unsqueeze(1), (p - q).clamp_(min=0.0), p)
     mass = residual.sum(dim=1, keepdim=True)
     residual = torch.where(mass > 0, residual, p)   # p == q up to rounding: any draw is exact
-    cdf = torch.cumsum(residual, dim=-1, dtype=torch.float64)
-    target = (1.0 - u_final) * cdf[:, -1]
-    drawn = torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=p.shape[1] - 1)
+    drawn = inverse_cdf_draw(residual, u_final)
     return torch.where(greedy_rows[final_row], best[final_row], drawn)
 
 
