@@ -63,27 +63,6 @@ def test_compiled_decode_equals_eager(tiny_path, compiled_llm, batch):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_chunked_prefill_and_drafts_run_the_compiled_general_step(tiny_path):
-    """Prefill chunks mixed with decodes, and speculative verify steps, run through the
-    general graph (attention as an opaque operator) and match eager exactly."""
-    kw = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=24,
-              speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=2)
-    prompts = [[9, 10, 11, 12] * 6, list(range(200, 241)), [7, 8] * 9]
-    ref_tokens, ref_logits, _ = _generate(LLM(tiny_path, enforce_eager=True, **kw), prompts)
-    llm = LLM(tiny_path, enforce_eager=False, **kw)
-    general = llm.engine.runner.compiled_general
-    calls = []
-    inner = general._compiled
-    general._compiled = lambda *a: calls.append(a[0].shape[0]) or inner(*a)
-    tokens, logits, _ = _generate(llm, prompts)
-    assert not general.failed
-    assert len(calls) >= 3 and max(calls) > 3   # prefill chunks and verify steps compiled
-    assert llm.engine.spec.stats.accepted_tokens > 0
-    assert tokens == ref_tokens
-    for got, ref in zip(logits, ref_logits):
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
-
-
 def test_buckets_cover_max_num_seqs():
     assert batch_buckets(1) == [2]
     assert batch_buckets(8) == [2, 4, 8]

@@ -1,5 +1,4 @@
-"""The compiled steps: one ``torch.compile`` graph for every decode-only step, and one for
-every other step (prefill chunks, speculative drafts) around an opaque attention operator.
+"""The compiled decode step: one ``torch.compile`` graph for every decode-only step.
 
 A decode-only step (every sequence computes one token) runs embedding -> layers -> norm ->
 LM head as a single inductor graph, so the ~25 ops of each of the model's layers cost no
@@ -10,9 +9,7 @@ Python or dispatcher time and the elementwise ones fuse. Shapes::
     width   W  block-table width, a dynamic dimension (no recompilation as contexts grow)
 
 Batch and width are marked dynamic, so one graph serves all buckets; the warm-up runs each
-bucket once. Steps of any other shape run ``CompiledGeneralStep``: the model traced over a
-dynamic number of tokens with attention as ``llmserve::step_attention`` (see
-model/attention/step_op.py), so only attention runs eagerly. Inductor's caches live under ``~/.cache/llmserve/inductor`` (override with
+bucket once. Inductor's caches live under ``~/.cache/llmserve/inductor`` (override with
 ``LLMSERVE_COMPILE_CACHE``), so a restart reuses the compiled code. If compilation fails, the
 step falls back to eager with a warning.
 """
@@ -25,15 +22,12 @@ from typing import Optional
 
 import torch
 
-from llmserve.model.attention.backend import AttentionBackend, AttentionMetadata
-from llmserve.model.attention.step_op import step_metadata
+from llmserve.model.attention.backend import AttentionBackend
 from llmserve.model.input_buffers import InputBuffers, StagedStep
 
 logger = logging.getLogger(__name__)
 
 _MIN_BUCKET = 2   # batch 1 is padded to 2: a size-1 dimension would be specialised
-#: The long step of the general step's warm-up (past the int4 kernels' GEMM threshold)
-WARMUP_LONG_STEP = 256
 
 
 def compile_cache_dir() -> str:
@@ -135,57 +129,3 @@ class CompiledDecodeStep:
                         i + 1, len(self.buckets), b, time.time() - t)
         logger.info("decode step compiled for batches %s in %.1fs", self.buckets, time.time() - t0)
 
-
-class CompiledGeneralStep:
-    """Runs steps with prefill chunks or drafts (any ``T >= 2`` tokens) as one compiled
-    graph whose attention calls run eagerly with the step's metadata; eager on failure."""
-
-    def __init__(self, model: torch.nn.Module,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        _configure_caches()
-        self.model = model
-        self.kv_caches = kv_caches
-        self.failed = False
-        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True)
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, None)
-
-    def accepts(self, num_tokens: int) -> bool:
-        return not self.failed and num_tokens >= 2   # size-1 dimensions would specialise
-
-    def warmup(self, buffers: InputBuffers, backend: AttentionBackend) -> None:
-        """Compile for a short and a long step (size guards, e.g. a kernel chosen by the
-        number of rows, make a graph per range) on dummy tokens in the scratch block."""
-        from llmserve.engine.step_types import StepInput
-
-        t0 = time.time()
-        for tokens in sorted({2, min(WARMUP_LONG_STEP, buffers.max_tokens)}):
-            if self.failed:
-                break
-            step = StepInput()
-            blocks = -(-tokens // backend.block_size)
-            step.add("warmup", [0] * tokens, 0, [buffers.scratch_block] * blocks, 0, None)
-            staged = buffers.stage(step, [0], backend.block_size)
-            meta = backend.build_metadata(staged.batch())
-            with torch.inference_mode():
-                self(staged.input_ids, staged.positions, meta)
-        logger.info("general step compiled in %.1fs", time.time() - t0)
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``(T, hidden)`` of the step's tokens (like the model's forward)."""
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
-        with step_metadata(meta):
-            try:
-                return self._compiled(input_ids, positions, self.kv_caches)
-            except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving
-                if self.failed:
-                    raise
-                self.failed = True
-                logger.warning("compiling the general step failed (%s: %s); running eagerly",
-                               type(exc).__name__,
-                               str(exc).splitlines()[0] if str(exc) else "")
-        return self.model(input_ids, positions, self.kv_caches, meta)

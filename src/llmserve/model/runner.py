@@ -18,7 +18,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.step_types import StepInput, StepOutput
 from llmserve.model.attention.backend import make_backend
 from llmserve.model.attention.reference import group_key
-from llmserve.model.compile import CompiledDecodeStep, CompiledGeneralStep
+from llmserve.model.compile import CompiledDecodeStep
 from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
@@ -97,18 +97,16 @@ class ModelRunner:
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else env_flag(
             "LLMSERVE_ENFORCE_EAGER")
         self.compiled: Optional[CompiledDecodeStep] = None
-        self.compiled_general: Optional[CompiledGeneralStep] = None
         if not eager and self.model.compile_unsupported:
             logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
         elif not eager and self.parallel is None:   # collectives stay outside compiled graphs
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
                                                self.buffers, cfg.max_num_seqs, self.device)
-            self.compiled_general = CompiledGeneralStep(self.model, self.kv_caches)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
                     "attention %s; %s", self.num_blocks, self.block_size,
                     self.kv.pool_bytes / 2**30, str(self.kv_dtype).replace("torch.", ""),
                     self.kv.bytes_per_token, self.device, self.backend.name,
-                    "compiled steps" if self.compiled else "eager")
+                    "compiled decode step" if self.compiled else "eager")
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -132,8 +130,6 @@ class ModelRunner:
         """Compile the decode step for every batch bucket now (else on first use)."""
         if self.compiled is not None:
             self.compiled.warmup()
-        if self.compiled_general is not None:
-            self.compiled_general.warmup(self.buffers, self.backend)
 
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator)."""
@@ -160,11 +156,7 @@ class ModelRunner:
                 hidden = None
             else:
                 meta = self.backend.build_metadata(staged.batch())
-                general = self.compiled_general
-                if general is not None and general.accepts(staged.input_ids.shape[0]):
-                    hidden = general(staged.input_ids, staged.positions, meta)
-                else:
-                    hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
+                hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
                 if self.capture_all_logits:
                     logits_all = self.model.compute_logits(hidden)
                 logits = None

@@ -85,7 +85,6 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor] = None   # (Bd, W)
     decode_valid: Optional[torch.Tensor] = None          # (Bd, W * block_size) bool
     decode_slots: Optional[torch.Tensor] = None          # (Bd, W * block_size) long: cache rows
-    #                                                      (built only inside compiled graphs)
     decode_context_lens: Optional[torch.Tensor] = None   # (Bd,) long
     _windowed: dict = field(default_factory=dict)
 
@@ -124,9 +123,7 @@ class AttentionBackend(ABC):
         b, w = block_tables.shape
         keys = torch.arange(w * bs, device=block_tables.device)
         valid = keys.unsqueeze(0) < context_lens.unsqueeze(1)
-        slots = None   # the in-place paged kernel's slot table: only traced graphs use it
-        if torch.compiler.is_compiling():
-            slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
+        slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
         return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decodes=b,
                                  decode_block_tables=block_tables, decode_valid=valid,
                                  decode_slots=slots, decode_context_lens=context_lens)

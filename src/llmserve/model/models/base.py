@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from llmserve.model.attention.backend import AttentionBackend, AttentionMetadata
-from llmserve.model.attention.step_op import register_layer
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
 from llmserve.model.layers.linear import Linear, LinearMethod
@@ -67,7 +66,6 @@ class DecoderAttention(nn.Module):
         self.window = cfg.layer_window(layer)
         self.softcap = cfg.attn_logit_softcapping
         self.backend = backend
-        self.op_id = register_layer(self)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -79,11 +77,8 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        if meta is None:   # the general compiled step: attention is one opaque operator
-            out = torch.ops.llmserve.step_attention(q, k, v, kv[0], kv[1], self.op_id)
-        else:
-            out = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.window,
-                                       self.softcap)
+        out = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.window,
+                                   self.softcap)
         return self.o_proj(out)
 
 
