@@ -181,7 +181,7 @@ class LLMEngine:
                 raise ValueError("prediction must be a string")
             pred_ids = self.tokenizer.encode(prediction, add_special_tokens=False)
             for c in children:
-                c.spec_state = self.spec.prediction_state(pred_ids)
+                c.spec_state = self.spec.prediction_state(c.request_id, pred_ids)
         user = _UserRequest(request_id, text, ids, [c.request_id for c in children])
         return user, children
 

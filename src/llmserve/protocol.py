@@ -114,17 +114,21 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def merge(self, later: "CompletionOutput") -> "CompletionOutput":
-        """This delta followed by a later one of the same completion (several tokens a step)."""
+    @staticmethod
+    def joined(parts: "list[CompletionOutput]") -> "CompletionOutput":
+        """Consecutive deltas of one completion (several tokens a step) as one delta."""
+        if len(parts) == 1:
+            return parts[0]
+        last = parts[-1]
         logprobs = None
-        if self.logprobs is not None or later.logprobs is not None:
-            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        if any(p.logprobs is not None for p in parts):
+            logprobs = [lp for p in parts for lp in (p.logprobs or [])]
         return CompletionOutput(
-            index=self.index, text=self.text + later.text,
-            token_ids=self.token_ids + later.token_ids, finish_reason=later.finish_reason,
-            stop_reason=later.stop_reason, logprobs=logprobs, num_tokens=later.num_tokens,
-            accepted_prediction_tokens=later.accepted_prediction_tokens,
-            rejected_prediction_tokens=later.rejected_prediction_tokens)
+            index=last.index, text="".join(p.text for p in parts),
+            token_ids=[t for p in parts for t in p.token_ids], finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason, logprobs=logprobs, num_tokens=last.num_tokens,
+            accepted_prediction_tokens=last.accepted_prediction_tokens,
+            rejected_prediction_tokens=last.rejected_prediction_tokens)
 
 
 @dataclass

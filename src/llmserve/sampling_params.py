@@ -92,6 +92,20 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty and no logprobs: the argmax of the raw logits, unless
+        ``adjusts_logits`` or ``min_tokens`` masks some of them."""
+        return (self.temperature == 0.0 and self.logprobs is None
+                and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or a grammar changes this request's logits before sampling
+        (such a request takes no greedy fast path and never speculates)."""
+        return self.structured_output is not None or bool(self.logit_bias)
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
 

@@ -171,3 +171,28 @@ def test_isolate_failures_defers_dependents_of_culprits():
     assert [i for i, _ in out.failed] == [1]
     assert out.deferred == [3]
     assert sorted(i for items, _ in out.results for i in items) == [0, 2, 4]
+
+
+def test_merged_outputs_keep_prompt_logprobs_and_subsets_count_prefill_only():
+    from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from llmserve.engine.step_isolation import merge_outputs, subset
+    from llmserve.engine.step_types import StepOutput
+
+    a = StepOutput(request_ids=["a"], token_ids=[[1]],
+                   prompt_logprobs={"a": (1, [(-0.5, [(3, -0.5)])])})
+    b = StepOutput(request_ids=["b"], token_ids=[[2, 3]], logprobs=[[-0.1, -0.2]])
+    merged = merge_outputs([a, b])
+    assert merged.request_ids == ["a", "b"] and merged.token_ids == [[1], [2, 3]]
+    assert merged.prompt_logprobs == {"a": (1, [(-0.5, [(3, -0.5)])])}
+    assert merged.logprobs == [None, [-0.1, -0.2]]
+
+    params = SamplingParams(max_tokens=4)
+    decoding = Request("d", list(range(10)), params)     # 10 tokens, 9 computed: decode
+    prefilling = Request("p", list(range(20)), params)   # a chunk of 8 of 20 prompt tokens
+    items = [ScheduledRequest(decoding, start=9, num_new_tokens=4, num_draft_tokens=3),
+             ScheduledRequest(prefilling, start=0, num_new_tokens=8)]
+    sched = SchedulerOutput(step=3, scheduled=items, num_batched_tokens=12,
+                            num_prefill_tokens=8)
+    assert subset(sched, items).num_prefill_tokens == 8
+    assert subset(sched, items[:1]).num_prefill_tokens == 0
+    assert subset(sched, items[:1]).num_batched_tokens == 4

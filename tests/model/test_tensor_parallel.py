@@ -57,6 +57,27 @@ def test_tp2_matches_tp1(tmp_path, arch, heads, kv_heads):
         torch.testing.assert_close(logits[rid], ref_logits[rid], atol=LOGITS_ATOL, rtol=0)
 
 
+def test_tp2_with_ngram_speculation_matches_tp1(tmp_path):
+    """Drafts are verified on rank 0 after every rank computed the rows' logits together;
+    a logit_bias request in the same steps takes the sampler's path."""
+    path = make_tiny_checkpoint(str(tmp_path / "spec"), num_heads=4, num_kv_heads=2, seed=5)
+    prompts = [[7, 8, 9, 10] * 6, list(range(100, 130)), [5, 17, 300] * 5]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             logit_bias={300: 5.0})]
+    ref = LLM(path, dtype="float32", num_kv_blocks=64, num_threads=1).generate(prompts, params)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, num_threads=1, tensor_parallel_size=2,
+              speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+    try:
+        got = llm.generate(prompts, params)
+        stats = llm.engine.spec.stats
+    finally:
+        llm.engine.runner.shutdown()
+    assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
+    assert stats.accepted_tokens > 0, stats
+
+
 def test_default_model_tp3_matches_tp1():
     """The default model has 9 query and 3 K/V heads: TP=2 cannot split it (refused like
     the shapes in the next test), TP=3 can. Weights dequantized (packed GGUF blocks cannot be sliced)."""

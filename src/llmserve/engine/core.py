@@ -167,7 +167,7 @@ class EngineCore:
                        tops: Optional[list]) -> Optional[SequenceUpdate]:
         """Append a sequence's accepted tokens in order; stop checks apply to each, and
         tokens after a stop are discarded."""
-        delta = None
+        deltas: list[CompletionOutput] = []
         for j, token in enumerate(tokens):
             req.append_token(token)
             self.generation_tokens_total += 1
@@ -179,18 +179,18 @@ class EngineCore:
             except Exception:  # noqa: BLE001 - one bad sequence must not stop the others
                 logger.exception("output processing failed for %s; aborting it", req.request_id)
                 return self.abort_request(req.request_id, FinishReason.ABORT.value)
-            delta = step_delta if delta is None else delta.merge(step_delta)
+            deltas.append(step_delta)
             if finish is not None:
                 if getattr(req.spec_state, "prediction", None) is not None:
-                    delta.accepted_prediction_tokens = req.spec_state.accepted_prediction
-                    delta.rejected_prediction_tokens = req.spec_state.rejected_prediction
+                    step_delta.accepted_prediction_tokens = req.spec_state.accepted_prediction
+                    step_delta.rejected_prediction_tokens = req.spec_state.rejected_prediction
                 self.scheduler.finish_request(req, finish, stop_reason)
                 self.runner.release(req.request_id)
                 if self.spec is not None:
                     self.spec.release(req.request_id)
                 self.outputs.release(req.request_id)
                 break
-        return None if delta is None else SequenceUpdate(req, delta)
+        return SequenceUpdate(req, CompletionOutput.joined(deltas)) if deltas else None
 
     def _execute_isolated(self, sched: SchedulerOutput
                           ) -> tuple[StepOutput, Optional[StepFailures]]:

@@ -117,14 +117,23 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.predictor = NgramProposer(config.ngram_min, config.ngram_max, use_history=False)
         self.stats = SpecDecodeStats()
+        self._predicted: set[str] = set()    # live requests that bring a prediction
+        self._drafted: list[Request] = []    # requests given drafts by the last propose
 
-    def prediction_state(self, token_ids: Sequence[int]) -> SpecState:
+    def prediction_state(self, request_id: str, token_ids: Sequence[int]) -> SpecState:
         """The state of a request that brings a predicted output."""
         cfg = self.config
+        self._predicted.add(request_id)
         return SpecState(PredictionState(token_ids, cfg.ngram_min, cfg.ngram_max))
+
+    @property
+    def active(self) -> bool:
+        """Whether any running request can speculate (a method is on, or a prediction)."""
+        return self.proposer is not None or bool(self._predicted)
 
     def release(self, request_id: str) -> None:
         """A request ended: the proposer drops what it keeps for it (a draft's KV)."""
+        self._predicted.discard(request_id)
         release = getattr(self.proposer, "release", None)
         if release is not None:
             release(request_id)
@@ -132,11 +141,11 @@ class SpeculativeDecoder:
     # ---- before scheduling -----------------------------------------------------------
     def propose(self, running: Sequence[Request], step: int) -> None:
         """Set ``spec_token_ids`` of every running request (empty unless it decodes next
-        and speculates this step)."""
-        for req in running:
-            if req.spec_token_ids:
-                req.spec_token_ids = []
-        if len(running) > self.config.max_batch:
+        and speculates this step). O(1) when nothing can speculate."""
+        for req in self._drafted:
+            req.spec_token_ids = []
+        self._drafted = []
+        if not self.active or len(running) > self.config.max_batch:
             return
         plain: list[Request] = []
         plain_k: list[int] = []
@@ -171,8 +180,8 @@ class SpeculativeDecoder:
             for req, k, prop in zip(plain, plain_k, self.proposer.propose(plain, plain_k)):
                 self._set(req, prop, k)
 
-    @staticmethod
-    def _set(req: Request, prop: Proposal, k: int) -> None:
+    def _set(self, req: Request, prop: Proposal, k: int) -> None:
+        self._drafted.append(req)
         state = req.spec_state
         req.spec_token_ids = list(prop.token_ids[:k])
         state.draft_probs = prop.draft_probs
@@ -231,5 +240,4 @@ class SpeculativeDecoder:
 def _constrained(req: Request) -> bool:
     """Requests under a grammar or with logit_bias do not speculate: the verifier scores
     drafts with the unadjusted distribution, so their drafts could break the constraint."""
-    p = req.sampling_params
-    return p.structured_output is not None or bool(p.logit_bias)
+    return req.sampling_params.adjusts_logits

@@ -60,7 +60,8 @@ def subset(sched: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOu
     return dataclasses.replace(
         sched, scheduled=list(items),
         num_batched_tokens=sum(s.num_new_tokens for s in items),
-        num_prefill_tokens=sum(s.num_new_tokens for s in items if s.num_new_tokens > 1))
+        num_prefill_tokens=sum(s.num_new_tokens - s.num_draft_tokens for s in items
+                               if s.request.num_tokens - s.start > 1))
 
 
 def request_error(item: ScheduledRequest, exc: BaseException, step: int) -> RequestFailedError:
@@ -95,6 +96,9 @@ def merge_outputs(results: list[Any]) -> Any:
         tops.extend(r.top_logprobs if r.top_logprobs is not None else [None] * n)
     merged.logprobs = lps if want_lp else None
     merged.top_logprobs = tops if want_top else None
+    scored = [r.prompt_logprobs for r in results if r.prompt_logprobs]
+    if scored:
+        merged.prompt_logprobs = {rid: entry for part in scored for rid, entry in part.items()}
     return merged
 
 

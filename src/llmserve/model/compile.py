@@ -76,13 +76,10 @@ class CompiledDecodeStep:
         self._warm: set[int] = set()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        b = input_ids.shape[0]
-        rows = torch.arange(b, device=input_ids.device)
-        bs = self.block_size
-        slots = block_tables[rows, positions // bs] * bs + positions % bs
-        meta = self.backend.decode_metadata(slots, block_tables, context_lens)
+        meta = self.backend.decode_metadata(slot_mapping, block_tables, context_lens)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         return self.model.compute_logits(hidden)
 
@@ -97,7 +94,8 @@ class CompiledDecodeStep:
 
     def __call__(self, staged: StagedStep) -> torch.Tensor:
         """Logits ``(B_padded, vocab)`` for a staged decode-only step (rows in runner order)."""
-        args = (staged.input_ids, staged.positions, staged.block_tables, staged.context_lens)
+        args = (staged.input_ids, staged.positions, staged.slot_mapping, staged.block_tables,
+                staged.context_lens)
         for t in args:
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(staged.block_tables, 1)
@@ -130,3 +128,4 @@ class CompiledDecodeStep:
             logger.info("compiled decode step: bucket %d/%d (batch %d) in %.1fs",
                         i + 1, len(self.buckets), b, time.time() - t)
         logger.info("decode step compiled for batches %s in %.1fs", self.buckets, time.time() - t0)
+

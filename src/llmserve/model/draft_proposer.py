@@ -34,7 +34,7 @@ from llmserve.engine.block_pool import BlockPool, KVBlock
 from llmserve.engine.request import Request
 from llmserve.engine.spec_proposer import EMPTY, Proposal
 from llmserve.engine.step_types import SequenceSampling, StepInput
-from llmserve.model.sampler import Sampler, SamplingBatch
+from llmserve.model.sampler import Sampler, SamplingBatch, inverse_cdf_draw
 from llmserve.model.spec_verifier import _Extended
 from llmserve.sampling_params import SamplingParams
 
@@ -194,9 +194,7 @@ class DraftModelProposer:
         u = torch.empty(len(reqs), dtype=torch.float64)
         for n, (r, p) in enumerate(zip(reqs, sampled)):
             u[n] = torch.rand(1, dtype=torch.float64, generator=self._generator(r))[0]
-        cdf = torch.cumsum(q, dim=-1, dtype=torch.float64)
-        target = ((1.0 - u.to(q.device)) * cdf[:, -1]).unsqueeze(1)
-        picked = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=q.shape[1] - 1).tolist()
+        picked = inverse_cdf_draw(q, u).tolist()
         for n, p in enumerate(sampled):
             a = rows[p]
             drafts[a].append(picked[n])

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from llmserve.engine.step_types import StepInput
+from llmserve.model.attention.backend import StepBatch
 
 
 @dataclass
@@ -35,6 +36,13 @@ class StagedStep:
     context_lens_host: list[int]
     table_widths: list[int]
     row_starts: list[int]               # first token row of each sequence (runner order)
+
+    def batch(self) -> StepBatch:
+        """The attention backend's view of this step."""
+        return StepBatch(slot_mapping=self.slot_mapping, block_tables=self.block_tables,
+                         context_lens=self.context_lens, num_decodes=self.num_decodes,
+                         query_lens=self.query_lens, context_lens_host=self.context_lens_host,
+                         table_widths=self.table_widths)
 
 
 class InputBuffers:

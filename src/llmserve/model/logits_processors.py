@@ -49,11 +49,6 @@ class LogitsAdjuster:
     def release(self, request_id: str) -> None:
         self.matchers.release(request_id)
 
-    @staticmethod
-    def wants(params) -> bool:
-        """Whether a row's params need this step's adjustments (no greedy fast path)."""
-        return params.structured_output is not None or bool(params.logit_bias)
-
     def attach(self, batch, samplings: Sequence, request_ids: Sequence[str]) -> None:
         """Set ``batch.bias_index``/``bias_value``/``token_bitmask`` for the rows that ask."""
         vocab = batch.vocab_size
@@ -78,12 +73,6 @@ class LogitsAdjuster:
             batch.bias_value = torch.tensor(values, dtype=torch.float32).to(self.device)
         if grammar_rows:
             batch.token_bitmask = self._bitmask(grammar_rows, batch.batch_size, vocab)
-            if batch.banned_index is not None:
-                # min_tokens never holds a grammar open: a complete grammar allows only EOS,
-                # which min_tokens would mask too, leaving nothing to sample
-                rows = torch.tensor([r for r, *_ in grammar_rows], device=self.device)
-                keep = ~torch.isin(batch.banned_index // vocab, rows)
-                batch.banned_index = batch.banned_index[keep] if bool(keep.any()) else None
 
     def _bitmask(self, rows, batch_size: int, vocab: int) -> torch.Tensor:
         words = bitmask_words(vocab)

@@ -16,7 +16,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.step_types import StepInput, StepOutput
-from llmserve.model.attention.backend import StepBatch, make_backend
+from llmserve.model.attention.backend import make_backend
 from llmserve.model.attention.reference import group_key
 from llmserve.model.compile import CompiledDecodeStep
 from llmserve.model.config import ModelConfig
@@ -145,7 +145,8 @@ class ModelRunner:
         broadcast_step(self.parallel, step, self.capture_all_logits)
         order = self._order(step)
         compiled = (self.compiled is not None and not self.capture_all_logits
-                    and not step.prompt_logprob_targets and step.is_decode_only and self.compiled.accepts(step.num_seqs))
+                    and not step.prompt_logprob_targets and step.is_decode_only
+                    and self.compiled.accepts(step.num_seqs))
         pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
         staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
         logits_all = None
@@ -154,13 +155,7 @@ class ModelRunner:
                 logits = self.compiled(staged)
                 hidden = None
             else:
-                batch = StepBatch(slot_mapping=staged.slot_mapping,
-                                  block_tables=staged.block_tables,
-                                  context_lens=staged.context_lens,
-                                  num_decodes=staged.num_decodes, query_lens=staged.query_lens,
-                                  context_lens_host=staged.context_lens_host,
-                                  table_widths=staged.table_widths)
-                meta = self.backend.build_metadata(batch)
+                meta = self.backend.build_metadata(staged.batch())
                 hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
                 if self.capture_all_logits:
                     logits_all = self.model.compute_logits(hidden)
@@ -180,6 +175,14 @@ class ModelRunner:
 
     def _sample(self, step: StepInput, order: list[int], staged, hidden: Optional[torch.Tensor],
                 logits: Optional[torch.Tensor], logits_all: Optional[torch.Tensor]) -> StepOutput:
+        """Tokens for the sequences that sample this step.
+
+        The logits of every sampled row (one per sequence, or ``k + 1`` for a sequence
+        with ``k`` drafts) are computed once, on every rank (the vocab-parallel head is a
+        collective); rank 0 then samples. Rows with drafts are verified; rows with
+        logit_bias or a grammar never carry drafts (the engine does not propose for them)
+        and take the sampler's path, which applies both.
+        """
         out = StepOutput()
         sampled = [i for i in order if step.num_samples[i]]
         if logits_all is not None:
@@ -190,34 +193,46 @@ class ModelRunner:
                     logits_all[r0:r0 + step.num_new_tokens[i]].float().cpu()
         if not sampled:
             return out
-        if any(step.num_samples[i] != 1 for i in sampled):  # speculative drafts to verify
-            # rows with logit_bias or a grammar never carry drafts (the engine does not
-            # propose for them); they take the sampler's path, which applies both
-            adjusted = [i for i in sampled if LogitsAdjuster.wants(step.sampling[i].params)]
-            if not adjusted:
-                return self._verify(step, order, staged, hidden, logits_all, sampled, out)
-            rest = [i for i in sampled if i not in set(adjusted)]
-            verified = self._verify(step, order, staged, hidden, logits_all, rest, StepOutput())
-            return _concat(verified, self._sample_rows(step, order, staged, hidden, None,
-                                                       logits_all, adjusted, out))
-        return self._sample_rows(step, order, staged, hidden, logits, logits_all, sampled, out)
-
-    def _sample_rows(self, step: StepInput, order: list[int], staged, hidden, logits,
-                     logits_all, sampled: list[int], out: StepOutput) -> StepOutput:
-        """Sample one token for each of the ``sampled`` sequences (one position each)."""
-        dev = self.device
         if logits is None:
-            row_start = {i: staged.row_starts[pos] for pos, i in enumerate(order)}
-            last_rows = [row_start[i] + step.num_new_tokens[i] - 1 for i in sampled]
-            rows = torch.tensor(last_rows, device=dev)
-            logits = (logits_all[rows] if logits_all is not None
-                      else self.model.compute_logits(hidden.index_select(0, rows)))
+            logits = self._sampled_logits(step, order, staged, hidden, logits_all, sampled)
         else:
             logits = logits[:len(sampled)]
         if self.parallel is not None and self.parallel.rank != 0:
             return out   # workers only join the collectives; rank 0 samples
         if self.sample_vocab_size < logits.shape[-1]:
             logits = logits[:, :self.sample_vocab_size]
+        if all(step.num_samples[i] == 1 for i in sampled):
+            return self._sample_rows(step, sampled, logits, out)
+        adjusted = {i for i in sampled if step.sampling[i].params.adjusts_logits}
+        if not adjusted:
+            return self._verify(step, sampled, logits, out)
+        first_row, rows = {}, 0
+        for i in sampled:
+            first_row[i] = rows
+            rows += step.num_samples[i]
+        rest = [i for i in sampled if i not in adjusted]
+        plain = [i for i in sampled if i in adjusted]
+        verify_rows = [first_row[i] + j for i in rest for j in range(step.num_samples[i])]
+        pick = torch.tensor(verify_rows + [first_row[i] for i in plain], device=logits.device)
+        logits = logits.index_select(0, pick)
+        verified = self._verify(step, rest, logits[:len(verify_rows)], StepOutput())
+        return _concat(verified, self._sample_rows(step, plain, logits[len(verify_rows):], out))
+
+    def _sampled_logits(self, step: StepInput, order: list[int], staged, hidden, logits_all,
+                        sampled: list[int]) -> torch.Tensor:
+        """Logits of the last ``num_samples`` rows of each sampled sequence, in order."""
+        row_start = {i: staged.row_starts[pos] for pos, i in enumerate(order)}
+        rows = []
+        for i in sampled:
+            end = row_start[i] + step.num_new_tokens[i]
+            rows.extend(range(end - step.num_samples[i], end))
+        index = torch.tensor(rows, device=self.device)
+        return (logits_all[index] if logits_all is not None
+                else self.model.compute_logits(hidden.index_select(0, index)))
+
+    def _sample_rows(self, step: StepInput, sampled: list[int], logits: torch.Tensor,
+                     out: StepOutput) -> StepOutput:
+        """Sample one token for each of the ``sampled`` sequences (one logits row each)."""
         if self.capture_logits:
             out.logits = logits.cpu()
         samp = [step.sampling[i] for i in sampled]
@@ -228,7 +243,7 @@ class ModelRunner:
         gens = [self._generator(step.request_ids[i], s.params) for i, s in zip(sampled, samp)]
         batch = SamplingBatch.build([s.params for s in samp], [s.prompt_token_ids for s in samp],
                                     [s.output_token_ids for s in samp], gens, logits.shape[-1],
-                                    dev, self.eos_token_ids)
+                                    self.device, self.eos_token_ids)
         self.adjuster.attach(batch, samp, out.request_ids)
         result = self.sampler(logits, batch)
         out.token_ids = [[t] for t in result.token_ids]
@@ -238,19 +253,9 @@ class ModelRunner:
             out.top_logprobs = [[t] for t in result.top_logprobs]
         return out
 
-    def _verify(self, step: StepInput, order: list[int], staged, hidden, logits_all,
-                sampled: list[int], out: StepOutput) -> StepOutput:
+    def _verify(self, step: StepInput, sampled: list[int], logits: torch.Tensor,
+                out: StepOutput) -> StepOutput:
         """Score every draft position of the sampled sequences (model/spec_verifier.py)."""
-        row_start = {i: staged.row_starts[pos] for pos, i in enumerate(order)}
-        rows = []
-        for i in sampled:
-            end = row_start[i] + step.num_new_tokens[i]
-            rows.extend(range(end - step.num_samples[i], end))
-        index = torch.tensor(rows, device=self.device)
-        logits = (logits_all[index] if logits_all is not None
-                  else self.model.compute_logits(hidden.index_select(0, index)))
-        if self.sample_vocab_size < logits.shape[-1]:
-            logits = logits[:, :self.sample_vocab_size]
         if self.capture_logits:
             out.logits = logits.cpu()
         out.request_ids = [step.request_ids[i] for i in sampled]
@@ -289,13 +294,10 @@ def _concat(a: StepOutput, b: StepOutput) -> StepOutput:
 
 
 def _plain_greedy(s) -> bool:
-    """Greedy with nothing that changes or reports logits (penalties, masks, logit_bias,
-    grammars, logprobs)."""
+    """Greedy on the raw logits: nothing changes or reports them this step."""
     p = s.params
-    return (p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens)
-            and not LogitsAdjuster.wants(p))
+    return (p.plain_greedy and not p.adjusts_logits
+            and not (p.min_tokens and len(s.output_token_ids) < p.min_tokens))
 
 
 def _argmax_tokens(logits: torch.Tensor) -> list[int]:

@@ -226,15 +226,8 @@ class Sampler:
         return self._with_logprobs(token_ids, tokens, raw_logprobs, batch)
 
     def _draw(self, weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Inverse-CDF draw per row, proportional to `weights` (>= 0; masked tokens are 0).
-
-        The first index whose cumulative weight reaches a target in (0, total] always has a
-        positive weight. The running sum is float64 so that rare tokens keep their share.
-        """
-        cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
-        target = (1.0 - self._uniforms(batch, weights.device)) * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1)
-        return tokens.clamp_(max=weights.shape[1] - 1)
+        """Inverse-CDF draw per row, proportional to `weights` (>= 0; masked tokens are 0)."""
+        return inverse_cdf_draw(weights, self._uniforms(batch, weights.device))
 
     def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
         """U[0, 1) per row: one shared batched draw, then each seeded row from its generator."""
@@ -266,3 +259,16 @@ class Sampler:
                 if want:
                     top[row] = list(zip(index_l[row][:want], values_l[row][:want]))
         return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
+
+
+def inverse_cdf_draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``weights (N, V)`` (>= 0, not all 0), drawn in proportion to
+    them with the row's uniform ``u (N,)`` in [0, 1).
+
+    The first index whose cumulative weight reaches a target in (0, total] always has a
+    positive weight. The running sum is float64 so that rare tokens keep their share.
+    """
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    target = (1.0 - u.to(cdf.device)) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1)
+    return tokens.clamp_(max=weights.shape[1] - 1)

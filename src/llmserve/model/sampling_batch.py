@@ -73,7 +73,8 @@ class SamplingBatch:
         `generators[i]` is row i's own generator (created by the caller from its seed and carried
         across steps) or None to use the sampler's shared one. While a row has fewer than
         `min_tokens` output tokens, `eos_token_ids` and its `stop_token_ids` are masked
-        (also under `ignore_eos`, which only means EOS does not end the sequence).
+        (also under `ignore_eos`, which only means EOS does not end the sequence), except
+        under a grammar.
         """
         n = len(params)
         if n == 0:
@@ -121,7 +122,10 @@ class SamplingBatch:
             reps.append(float(p.repetition_penalty))
             freqs.append(float(p.frequency_penalty))
             presences.append(float(p.presence_penalty))
-            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            # min_tokens never holds a grammar open: a complete grammar allows only EOS,
+            # which min_tokens would mask too, leaving nothing to sample
+            if (p.min_tokens and len(output_token_ids[i]) < p.min_tokens
+                    and p.structured_output is None):
                 base = i * vocab_size
                 ids = eos.union(p.stop_token_ids or ())
                 banned.extend(base + t for t in ids if 0 <= t < vocab_size)

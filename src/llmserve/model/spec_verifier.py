@@ -28,7 +28,7 @@ from typing import Collection, Optional, Sequence
 import torch
 
 from llmserve.engine.step_types import StepInput
-from llmserve.model.sampler import Sampler, SamplingBatch
+from llmserve.model.sampler import Sampler, SamplingBatch, inverse_cdf_draw
 
 Verified = tuple[list[list[int]], Optional[list[list[float]]], Optional[list[list[list]]]]
 
@@ -51,12 +51,6 @@ class _Extended(Sequence[int]):
     def __iter__(self):
         yield from self.base
         yield from self.extra
-
-
-def _plain_greedy(params) -> bool:
-    return (params.temperature == 0.0 and params.logprobs is None
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and not params.min_tokens)
 
 
 def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
@@ -91,7 +85,7 @@ def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
     draft_t, seq_t, pos_t = host[0], host[1], host[2]
     has_draft = pos_t < torch.tensor(counts, device=dev)[seq_t] - 1
 
-    if all(_plain_greedy(s.params) for s in samp):
+    if all(s.params.plain_greedy and not s.params.min_tokens for s in samp):
         batch = None
         x = logits
         greedy_rows = None
@@ -195,9 +189,7 @@ def _draw_final(probs, final_row, has_draft, draft_t, q_rows, u_final, best, gre
     residual = torch.where(rejected.unsqueeze(1), (p - q).clamp_(min=0.0), p)
     mass = residual.sum(dim=1, keepdim=True)
     residual = torch.where(mass > 0, residual, p)   # p == q up to rounding: any draw is exact
-    cdf = torch.cumsum(residual, dim=-1, dtype=torch.float64)
-    target = (1.0 - u_final) * cdf[:, -1]
-    drawn = torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=p.shape[1] - 1)
+    drawn = inverse_cdf_draw(residual, u_final)
     return torch.where(greedy_rows[final_row], best[final_row], drawn)
 
 

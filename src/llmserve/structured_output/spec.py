@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
@@ -61,20 +62,24 @@ class StructuredOutputSpec:
                 or not all(isinstance(c, str) for c in self.value)):
             raise ValueError("choice must be a non-empty list of strings")
 
-    @property
+    @cached_property
     def source(self) -> str:
         """The constraint as canonical text (what the cache key hashes)."""
         if self.kind in ("json", "choice"):
             return json.dumps(self.value, sort_keys=True, separators=(",", ":"))
         return "" if self.value is None else str(self.value)
 
-    @property
+    @cached_property
     def key(self) -> str:
         """sha256 of kind and canonical source: equal constraints share one compiled grammar."""
         return hashlib.sha256(f"{self.kind}\0{self.source}".encode("utf-8")).hexdigest()
 
     def with_compiled(self, compiled: Any) -> "StructuredOutputSpec":
-        return StructuredOutputSpec(self.kind, self.value, compiled)
+        spec = StructuredOutputSpec(self.kind, self.value, compiled)
+        for computed in ("source", "key"):   # computed once per constraint
+            if computed in self.__dict__:
+                spec.__dict__[computed] = self.__dict__[computed]
+        return spec
 
 
 def _lark_string(text: str) -> str:
