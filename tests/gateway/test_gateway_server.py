@@ -189,7 +189,7 @@ def test_deadline_and_queue_timeout_end_requests_and_free_kv(gw: ServerProcess) 
     opened: list = []
     long_body = chat("Tell me a long story.", max_tokens=600, ignore_eos=True, stream=True)
     try:
-        ids = [_stream_first_event(gw, "beta", long_body, opened, **{"X-Request-Timeout": "6"})["id"]
+        ids = [_stream_first_event(gw, "beta", long_body, opened, **{"X-Request-Timeout": "5"})["id"]
                for _ in range(2)]
         started = time.monotonic()
         # both engine slots (--max-num-seqs 2) are busy: this one waits, then is dropped
