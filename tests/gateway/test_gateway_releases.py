@@ -216,3 +216,20 @@ def test_admin_errors(serve: Callable[..., LiveServer]) -> None:
     assert r.status_code == 400
     r = admin(live, "POST", "/admin/releases/chat/promote")
     assert r.status_code == 400 and "no canary" in r.json()["error"]["message"]
+
+
+def test_canary_on_an_unserved_target_gets_503_then_rolls_back(
+        serve: Callable[..., LiveServer]) -> None:
+    live = serve(canary={"release": "v4", "share": 1.0},
+                 versions={"v1": {"target": "m-v1"}, "v4": {"target": "m-adapter"}})
+    c = client(live)
+    codes = []
+    for _ in range(8):
+        try:
+            codes.append(ask(c, max_tokens=2).headers["x-llmserve-release"])
+        except openai.APIStatusError as e:
+            assert e.status_code == 503 and e.code == "release_unavailable"
+            codes.append("503")
+    assert codes == ["503"] * 5 + ["v1"] * 3       # min_requests failures, then rolled back
+    status = admin(live, "GET", "/admin/releases").json()["data"][0]
+    assert status["releases"]["v4"]["served"] is False and status["canary_share"] == 0

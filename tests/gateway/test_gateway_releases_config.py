@@ -14,7 +14,7 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.release_config import HealthThresholds
 from llmserve.gateway.release_health import ReleaseHealth, is_release_failure
 from llmserve.gateway.release_routing import ReleaseRouting
-from llmserve.gateway.release_table import ReleaseTable, resolve_release
+from llmserve.gateway.release_table import ReleaseTable, ReleaseUnavailable, resolve_release
 from llmserve.server.sampling_defaults import apply_sampling_defaults
 from llmserve.server.openai_protocol import ChatCompletionRequest
 from tests.server.server_fakes import FakeEngine
@@ -88,10 +88,16 @@ def engines() -> dict[str, FakeEngine]:
             "b": FakeEngine(model_name="b", fingerprint="fp-b-0123456789")}
 
 
-def test_table_checks_targets_and_public_names() -> None:
-    config = load()
-    with pytest.raises(ValueError, match=r"versions.v2.target: 'b' is not served"):
-        ReleaseTable(config.releases, {"a": FakeEngine()})
+def test_unserved_target_resolves_once_served() -> None:
+    config = load(shadow=None, pins={}, canary__share=1.0)
+    served: dict[str, FakeEngine] = {"a": FakeEngine(model_name="a")}
+    table = ReleaseTable(config.releases, served.get)      # "b" (say, an adapter) comes later
+    with pytest.raises(ReleaseUnavailable, match="'b' is not served"):
+        table.choose("chat", "acme")
+    assert table.snapshot("chat")["releases"]["v2"]["served"] is False
+    served["b"] = engines()["b"]
+    assert table.choose("chat", "acme")[0].target == "b"
+    assert table.snapshot("chat")["releases"]["v2"]["fingerprint"] is not None
     with pytest.raises(ValueError, match="also a served model name"):
         ReleaseTable(config.releases, {**engines(), "chat": FakeEngine()})
 

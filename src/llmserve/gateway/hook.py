@@ -147,12 +147,17 @@ class TenantGateway:
         self.router = ModelRouter(config, models, self.auth)
         self.caches = GatewayCaches(config, self.router, response_cache, bundles)
         self.admin = AdminAPI(config, self.auth, self.caches)
-        self.releases = ReleaseRouting(config, models)
+        self.releases = ReleaseRouting(config, self._engine_of)
         self.release_admin = ReleaseAdminAPI(self.releases, self.admin)
         self._purger = None
         if store is not None:
             self._purger = PeriodicTask(store.purge_expired, purge_interval_s,
                                         "llmserve-idempotency-purge").start()
+
+    def _engine_of(self, name: str) -> Any:
+        """The engine of a served model name now (None if not served)."""
+        served = self.router.get(name)
+        return served.engine if served is not None else None
 
     def public_models(self) -> dict[str, str]:
         """Model names served through releases (public name -> stable target)."""
@@ -186,7 +191,7 @@ class TenantGateway:
         st: _RequestState = ctx.extra[_STATE]
         with _as_openai():
             self.auth.check_model(st.tenant, ctx.model or "")
-            st.rel = self.releases.prepare(ctx, st.tenant.name)
+            st.rel = await self.releases.prepare(ctx, st.tenant.name)
             st.timeout_s = parse_request_timeout(ctx.headers.get("x-request-timeout"))
             body = await _parsed_body(ctx)
             st.caches = self.caches.prepare(ctx, st.tenant, body)

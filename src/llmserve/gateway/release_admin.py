@@ -110,10 +110,10 @@ class ReleaseAdminAPI:
         return 200, {"object": "release.change", "event": row, "model": self._describe(model)}
 
     def _release_id(self, model: str, value: Any, field: str) -> str:
-        if not isinstance(value, str) or value not in self.releases.table.models[model].releases:
+        versions = self.releases.table.models[model].config.versions
+        if not isinstance(value, str) or value not in versions:
             raise InvalidRequest(f"{field} must be a release id of {model!r} (releases: "
-                                 f"{sorted(self.releases.table.models[model].releases)})",
-                                 param=field)
+                                 f"{sorted(versions)})", param=field)
         return value
 
     async def promote(self, call: HTTPCall) -> tuple[int, Any]:

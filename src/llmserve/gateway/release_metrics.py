@@ -54,8 +54,10 @@ class ReleaseMetricsCollector(Collector):
         for model, state in table.models.items():
             split = state.snapshot()
             window = state.config.health.window_s
-            for rid, release in state.releases.items():
-                info.add_metric([model, rid, release.target, release.fingerprint], 1)
+            for rid, spec in state.config.versions.items():
+                release = state.releases.get(rid)
+                if release is not None:
+                    info.add_metric([model, rid, release.target, release.fingerprint], 1)
                 value = split["canary_share"] if rid == split["canary"] else 0.0
                 if rid == split["stable"]:
                     value = 1.0 - split["canary_share"]

@@ -24,13 +24,14 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.release_health import ReleaseHealth, is_release_failure
 from llmserve.gateway.release_shadow import ShadowRunner
 from llmserve.gateway.release_store import ReleaseStore
-from llmserve.gateway.release_table import Release, ReleaseTable
+from llmserve.gateway.release_table import Release, ReleaseTable, ReleaseUnavailable
 from llmserve.server.gateway_hook import RequestContext, RequestOutcome
 
 logger = logging.getLogger(__name__)
@@ -60,19 +61,21 @@ class ReleaseRouting:
 
     Args:
         config: the gateway config (its ``releases`` section and ``database``).
-        engines: served model name -> engine.
+        engines: served model name -> engine, or a function giving the engine of a served
+            name (None if not served): targets served later (adapters) are found then.
         store: where audit rows, the split and shadow comparisons go (default: the
             config's database, else memory).
     """
 
-    def __init__(self, config: GatewayConfig, engines: Mapping[str, Any],
+    def __init__(self, config: GatewayConfig,
+                 engines: "Mapping[str, Any] | Callable[[str], Any]",
                  store: Optional[ReleaseStore] = None) -> None:
         self.config = config
-        self.table = ReleaseTable(config.releases, engines)
+        lookup = engines if callable(engines) else dict(engines).get
+        self.table = ReleaseTable(config.releases, lookup)
         self.store = store or ReleaseStore(config.database if config.releases else None)
         self.health = ReleaseHealth()
-        self.shadow = ShadowRunner(dict(engines), self.store, self.health,
-                                   config.request_timeout_s)
+        self.shadow = ShadowRunner(lookup, self.store, self.health, config.request_timeout_s)
         self.rollbacks: Counter[tuple[str, str, str]] = Counter()  # (model, release, reason)
         self._hashes = {name: _config_hash(m) for name, m in config.releases.items()}
         self._change_lock = threading.Lock()
@@ -91,11 +94,18 @@ class ReleaseRouting:
 
     # ------------------------------------------------------------------ request path
 
-    def prepare(self, ctx: RequestContext, tenant: str) -> Optional[RequestRelease]:
-        """Pick the release of a request for a public model (None for any other model)."""
+    async def prepare(self, ctx: RequestContext, tenant: str) -> Optional[RequestRelease]:
+        """Pick the release of a request for a public model (None for any other model);
+        503 ``release_unavailable`` when the picked release's target is not served."""
         if ctx.model not in self.table.models:
             return None
-        release, shadow = self.table.choose(ctx.model, tenant)
+        try:
+            release, shadow = self.table.choose(ctx.model, tenant)
+        except ReleaseUnavailable as e:
+            self.health.record(e.release, True)
+            await self._check(ctx.model, e.release)
+            raise GatewayError(503, str(e), "overloaded_error", "release_unavailable",
+                               "model") from None
         ctx.served_model = release.target
         ctx.sampling_defaults = dict(release.sampling) or None
         ctx.response_headers[RELEASE_HEADER] = release.id
@@ -135,7 +145,7 @@ class ReleaseRouting:
         self.health.record(handle.release.id, failed, ttft, tpot)
         if handle.shadow is not None and outcome.status == "completed":
             self.shadow.start(ctx, tenant, handle.release, handle.shadow, outcome.response)
-        await self._check(handle.release)
+        await self._check(handle.release.model, handle.release.id)
 
     async def reject(self, handle: Optional[RequestRelease], error: BaseException) -> None:
         """Record a request that ended before admission, when it was the release's fault."""
@@ -144,20 +154,21 @@ class ReleaseRouting:
         self._leave(handle)
         if is_release_failure(getattr(error, "status", None), getattr(error, "code", None)):
             self.health.record(handle.release.id, True)
-            await self._check(handle.release)
+            await self._check(handle.release.model, handle.release.id)
 
-    async def _check(self, release: Release) -> None:
-        state = self.table.models[release.model]
-        if state.canary != release.id or state.canary_share <= 0:
+    async def _check(self, model: str, rid: str) -> None:
+        """Roll the canary ``rid`` of ``model`` back when it crossed a health threshold."""
+        state = self.table.models[model]
+        if state.canary != rid or state.canary_share <= 0:
             return
-        reason = self.health.verdict(release.id, state.config.health)
+        reason = self.health.verdict(rid, state.config.health)
         if reason is None:
             return
         logger.warning("release %s of %s crossed its %s threshold (%s): rolling the canary "
-                       "back to share 0", release.id, release.model, reason,
-                       self.health.stats(release.id, state.config.health.window_s))
-        await asyncio.to_thread(self.change, "auto", release.model, "auto_rollback", reason,
-                                expect_canary=release.id, canary_share=0.0)
+                       "back to share 0", rid, model, reason,
+                       self.health.stats(rid, state.config.health.window_s))
+        await asyncio.to_thread(self.change, "auto", model, "auto_rollback", reason,
+                                expect_canary=rid, canary_share=0.0)
 
     # ------------------------------------------------------------------ split changes
 

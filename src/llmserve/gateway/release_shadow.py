@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from llmserve.gateway.release_health import ReleaseHealth
 from llmserve.gateway.release_store import ReleaseStore, ShadowComparison
@@ -69,9 +69,10 @@ def token_agreement(a: Sequence[int], b: Sequence[int]) -> float:
 class ShadowRunner:
     """Runs and compares shadow requests (see the module docstring)."""
 
-    def __init__(self, engines: dict[str, Any], store: ReleaseStore, health: ReleaseHealth,
-                 timeout_s: float, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
-        self.engines = engines
+    def __init__(self, engines: Callable[[str], Any], store: ReleaseStore,
+                 health: ReleaseHealth, timeout_s: float,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        self.engines = engines                   # served name -> engine (None: not served)
         self.store = store
         self.health = health
         self.timeout_s = timeout_s
@@ -105,10 +106,12 @@ class ShadowRunner:
     async def _run(self, request_id: str, tenant: str, cache_salt: Optional[str],
                    prompt: list[int], params: Any, served: Release, shadow: Release,
                    text: str) -> None:
-        engine = self.engines[shadow.target]
+        engine = self.engines(shadow.target)
         tokens: list[int] = []
         error = None
         try:
+            if engine is None:
+                raise RuntimeError(f"served model {shadow.target!r} is not served any more")
             async for out in engine.generate(prompt, params, f"shadow-{request_id}",
                                              priority="batch", cache_salt=cache_salt,
                                              deadline=time.time() + self.timeout_s):
@@ -129,7 +132,10 @@ class ShadowRunner:
     def _compare(self, request_id: str, tenant: str, served: Release, shadow: Release,
                  text: str, tokens: list[int], error: Optional[str],
                  engine: Any) -> ShadowComparison:
-        tokenizer = engine.tokenizer
+        tokenizer = engine.tokenizer if engine is not None else None
+        if tokenizer is None:
+            return ShadowComparison(request_id, tenant, served.model, served.id, shadow.id,
+                                    shadow.fingerprint, False, 0.0, 0, 0, error)
         eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         tokens = [t for t in tokens if t not in eos]
         shadow_text = tokenizer.decode(tokens) if tokens else ""

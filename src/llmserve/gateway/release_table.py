@@ -12,19 +12,35 @@ accumulator, so a 50/50 split of 200 requests is 100/100 and a 10 % canary gets 
 tenth request). Changes (share, promote, rollback) only affect requests that have
 not picked a release yet: a request keeps the release it started on until it ends
 (``enter``/``leave`` count them, so an operator can watch an old release drain).
+
+A release whose target is not served yet (a LoRA adapter loaded at run time) is
+resolved the first time a request picks it; until then picking it raises
+:class:`ReleaseUnavailable` (the gateway answers 503 and counts it against the release).
 Thread-safe. No torch.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from llmserve.gateway.release_config import IDENTITY_FIELDS, ModelReleases, ReleaseSpec
+
+logger = logging.getLogger(__name__)
+
+
+class ReleaseUnavailable(Exception):
+    """The picked release's target is not served (yet)."""
+
+    def __init__(self, release: str, target: str) -> None:
+        super().__init__(f"release {release!r}: its served model {target!r} is not served")
+        self.release = release
+        self.target = target
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,7 @@ class ModelState:
     """The live split of one public model."""
 
     config: ModelReleases
-    releases: dict[str, Release]
+    releases: dict[str, Release]         # the resolved ones (target served)
     stable: str
     canary: Optional[str]
     canary_share: float
@@ -125,25 +141,31 @@ class ReleaseTable:
 
     Args:
         config: the config's ``releases`` section.
-        engines: served model name -> engine (every release target must be one).
+        engines: served model name -> engine, or a function returning the engine of a
+            served name (None when it is not served), read again for unresolved targets.
     """
 
-    def __init__(self, config: Mapping[str, ModelReleases], engines: Mapping[str, Any],
+    def __init__(self, config: Mapping[str, ModelReleases],
+                 engines: "Mapping[str, Any] | Callable[[str], Any]",
                  rng: Optional[random.Random] = None) -> None:
         self._lock = threading.Lock()
         self._rng = rng or random.Random()
+        self._lookup: Callable[[str], Any] = engines if callable(engines) else engines.get
         self.models: dict[str, ModelState] = {}
         self.inflight: Counter[str] = Counter()
         for name, model in config.items():
-            if name in engines:
+            if self._lookup(name) is not None:
                 raise ValueError(f"releases.{name}: the public model name is also a served "
                                  "model name; pick another public name")
             releases = {}
             for rid, spec in model.versions.items():
-                if spec.target not in engines:
-                    raise ValueError(f"releases.{name}.versions.{rid}.target: {spec.target!r} "
-                                     f"is not served (served: {sorted(engines)})")
-                releases[rid] = resolve_release(spec, name, engines[spec.target])
+                engine = self._lookup(spec.target)
+                if engine is None:
+                    logger.warning("releases.%s.versions.%s.target: %r is not served (yet); "
+                                   "requests that pick this release get 503 until it is",
+                                   name, rid, spec.target)
+                    continue
+                releases[rid] = resolve_release(spec, name, engine)
             self.models[name] = ModelState(model, releases, model.stable, model.canary,
                                            model.canary_share, model.shadow, model.shadow_share,
                                            dict(model.pins))
@@ -151,21 +173,23 @@ class ReleaseTable:
     def public_models(self) -> dict[str, str]:
         """Public model name -> the target of its stable release."""
         with self._lock:
-            return {n: s.releases[s.stable].target for n, s in self.models.items()}
+            return {n: s.config.versions[s.stable].target for n, s in self.models.items()}
 
-    def release(self, model: str, rid: str) -> Release:
-        """One release of ``model``; KeyError when there is none of that id."""
-        return self.models[model].releases[rid]
-
-    def find(self, rid: str) -> Optional[Release]:
-        """The release of this id, whatever its model."""
-        for state in self.models.values():
-            if rid in state.releases:
-                return state.releases[rid]
-        return None
+    def _resolved(self, state: ModelState, rid: str) -> Release:
+        """The release ``rid``, resolved now if its target has become served."""
+        release = state.releases.get(rid)
+        if release is None:
+            spec = state.config.versions[rid]
+            engine = self._lookup(spec.target)
+            if engine is None:
+                raise ReleaseUnavailable(rid, spec.target)
+            release = state.releases[rid] = resolve_release(spec, state.config.name, engine)
+        return release
 
     def choose(self, model: str, tenant: str) -> tuple[Release, Optional[Release]]:
-        """(the release that serves this request, the shadow release mirroring it or None)."""
+        """(the release that serves this request, the shadow release mirroring it or None);
+        raises :class:`ReleaseUnavailable` when the picked release's target is not served
+        (an unserved shadow is skipped)."""
         with self._lock:
             state = self.models[model]
             rid = state.pins.get(tenant)
@@ -176,11 +200,15 @@ class ReleaseTable:
                     if state.credit >= 1.0 - 1e-9:
                         state.credit -= 1.0
                         rid = state.canary
+            release = self._resolved(state, rid)
             shadow = None
             if (state.shadow is not None and state.shadow != rid and state.shadow_share > 0
                     and self._rng.random() < state.shadow_share):
-                shadow = state.releases[state.shadow]
-            return state.releases[rid], shadow
+                try:
+                    shadow = self._resolved(state, state.shadow)
+                except ReleaseUnavailable:
+                    shadow = None
+            return release, shadow
 
     def enter(self, release: Release) -> None:
         """A request on ``release`` was admitted: it is in flight until ``leave``."""
@@ -203,9 +231,9 @@ class ReleaseTable:
             before = state.snapshot()
             for key in ("stable", "canary", "shadow"):
                 rid = changes.get(key, getattr(state, key))
-                if rid is not None and rid not in state.releases:
+                if rid is not None and rid not in state.config.versions:
                     raise ValueError(f"{rid!r} is not a release of {model!r} "
-                                     f"(releases: {sorted(state.releases)})")
+                                     f"(releases: {sorted(state.config.versions)})")
             for key, value in changes.items():
                 setattr(state, key, value)
             if state.canary == state.stable:
@@ -220,6 +248,12 @@ class ReleaseTable:
         with self._lock:
             state = self.models[model]
             out = state.snapshot()
-            out["releases"] = {rid: {**r.describe(), "in_flight": self.inflight.get(rid, 0)}
-                               for rid, r in state.releases.items()}
+            out["releases"] = {}
+            for rid, spec in state.config.versions.items():
+                found = state.releases.get(rid)
+                info = found.describe() if found is not None else {
+                    "id": rid, "model": model, "target": spec.target, "fingerprint": None}
+                info["served"] = found is not None
+                info["in_flight"] = self.inflight.get(rid, 0)
+                out["releases"][rid] = info
             return out
