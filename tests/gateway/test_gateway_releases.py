@@ -104,6 +104,8 @@ def test_split_pins_defaults_headers_and_ledger(serve: Callable[..., LiveServer]
     assert 40 <= seen["v1"] <= 60, seen
     explicit = ask(c, max_tokens=5).parse()
     assert explicit.usage.completion_tokens == 5             # a value the client sent wins
+    assert "chat" in {m.id for m in c.models.list()}
+    assert c.models.retrieve("chat").id == "chat"
     pinned = {ask(client(live, "pinned")).headers["x-llmserve-release"] for _ in range(10)}
     assert pinned == {"v1"}
     ledger = rows(live.db)  # type: ignore[attr-defined]
