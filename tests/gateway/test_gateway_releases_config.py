@@ -190,3 +190,31 @@ def test_sampling_defaults_fill_only_omitted_fields() -> None:
     assert apply_sampling_defaults(req, {"max_tokens": 7}) == []
     with pytest.raises(ValueError, match="unknown sampling default"):
         apply_sampling_defaults(req, {"beam": 1})
+
+
+def test_older_ledger_gains_release_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    from llmserve.gateway.ledger import BillingLedger, UsageRecord
+
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as conn:   # a ledger written before releases existed
+        conn.execute("CREATE TABLE usage (record_id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                     "tenant TEXT NOT NULL, request_id TEXT NOT NULL UNIQUE, idempotency_key "
+                     "TEXT, model TEXT NOT NULL, served_model TEXT NOT NULL, fingerprint TEXT "
+                     "NOT NULL, prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT "
+                     "NULL, completion_tokens INTEGER NOT NULL, finish_reason TEXT NOT NULL, "
+                     "status INTEGER NOT NULL, created_at REAL NOT NULL, finished_at REAL "
+                     "NOT NULL)")
+        conn.execute("INSERT INTO usage (tenant, request_id, model, served_model, fingerprint, "
+                     "prompt_tokens, cached_tokens, completion_tokens, finish_reason, status, "
+                     "created_at, finished_at) VALUES ('a', 'r0', 'm', 'm', '', 1, 0, 1, "
+                     "'stop', 200, 1, 2)")
+    ledger = BillingLedger(db)
+    ledger.record(UsageRecord(tenant="a", request_id="r1", model="chat", fingerprint="f",
+                              prompt_tokens=2, cached_tokens=0, completion_tokens=1,
+                              finish_reason="stop", status=200, created_at=1, finished_at=2,
+                              served_model="m", release_id="v2", release_fingerprint="ab" * 32))
+    assert [r.release_id for r in ledger.records()] == [None, "v2"]
+    assert [r.request_id for r in ledger.records(release="v2")] == ["r1"]
+    ledger.close()

@@ -191,7 +191,7 @@ class ReleaseRouting:
                                    self._hashes[model])
         if action == "auto_rollback" and expect_canary is not None:
             self.rollbacks[(model, expect_canary, reason or "")] += 1
-        elif action == "rollback" and before.get("canary"):
+        elif action == "rollback" and before.get("canary") and before.get("canary_share"):
             self.rollbacks[(model, before["canary"], "manual")] += 1
         for rid in {before.get("canary"), after.get("canary")} - {None}:
             self.health.reset(rid)
