@@ -7,7 +7,13 @@ gates of a release, measured on a running server that serves both releases' targ
   TTFT p95, TPOT p95, output-token throughput and failed requests;
 * quality: the quality eval's fixed prompts (:data:`llmserve.eval.presets.PROMPTS`) are
   continued greedily by both, and compared token for token with the eval's
-  :func:`llmserve.eval.metrics.greedy_agreement`.
+  :func:`llmserve.eval.metrics.greedy_agreement`; with ``min_structured_validity`` in the
+  gates, the candidate also answers them in JSON mode (``response_format``
+  ``json_object``) and the share of answers that parse as JSON is gated;
+* offline quality (optional, ``--eval-model PATH --eval-config PRESET``): the quality
+  gate of :mod:`llmserve.eval.gate` -- perplexity, top-1 agreement and KL of the
+  candidate's preset (e.g. ``int8``) against ``--eval-reference`` (``fp32``) on the
+  model files, with the preset's own thresholds.
 
 The candidate passes when its TTFT p95 and TPOT p95 are at most
 ``max_ttft_p95_ratio`` / ``max_tpot_p95_ratio`` times the stable release's, its
@@ -63,6 +69,38 @@ async def measure_performance(client: httpx.AsyncClient, base_url: str, target: 
     start = time.perf_counter()
     await asyncio.gather(*(one(s, r) for s, r in zip(specs, records)))
     return compute_metrics(records, max(time.perf_counter() - start, 1e-9))
+
+
+async def structured_validity(client: httpx.AsyncClient, base_url: str, target: str,
+                              max_tokens: int) -> float:
+    """Share of the fixed prompts answered in JSON mode with text that parses as JSON."""
+    valid = 0
+    for prompt in PROMPTS:
+        resp = await client.post(base_url.rstrip("/") + "/v1/chat/completions", json={
+            "model": target, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0,
+            "response_format": {"type": "json_object"}})
+        resp.raise_for_status()
+        try:
+            json.loads(resp.json()["choices"][0]["message"]["content"] or "")
+            valid += 1
+        except ValueError:
+            pass
+    return valid / len(PROMPTS)
+
+
+def offline_eval_gate(args: argparse.Namespace) -> dict[str, Any]:
+    """The eval quality gate of ``--eval-config`` against ``--eval-reference``."""
+    from llmserve.eval.gate import run_gate
+
+    results = run_gate(args.eval_model, [args.eval_config], reference=args.eval_reference,
+                       max_tokens=args.eval_tokens, window=max(2, args.eval_tokens // 2),
+                       continuation_tokens=4)
+    res = results[-1]
+    return {"gate": f"eval:{args.eval_config}", "value": res.top1,
+            "threshold": f"preset vs {args.eval_reference}",
+            "passed": res.passed is not False, "ppl_increase": res.ppl_increase,
+            "kl": res.kl, "failures": list(res.failures)}
 
 
 async def greedy_tokens(client: httpx.AsyncClient, base_url: str, target: str,
@@ -123,8 +161,16 @@ async def run_check(config: GatewayConfig, candidate_id: str, stable_id: str, ba
                                                    concurrency)
         ref = await greedy_tokens(client, base_url, stable.target, output_len)
         got = await greedy_tokens(client, base_url, candidate.target, output_len)
+        validity = None
+        if model.gates.min_structured_validity is not None:
+            validity = await structured_validity(client, base_url, candidate.target,
+                                                 max(output_len, 64))
     agreement = greedy_agreement(ref, got)
     gates = evaluate_gates(perf_stable, perf_candidate, agreement, model.gates)
+    if validity is not None:
+        limit = model.gates.min_structured_validity
+        gates.append({"gate": "structured_validity", "value": validity,
+                      "threshold": f">= {limit:g}", "passed": validity >= limit})
     keep = ("num_requests", "failed", "output_token_throughput", "ttft_ms", "tpot_ms")
     return {"candidate": candidate_id, "stable": stable_id, "model": model.name,
             "passed": all(g["passed"] for g in gates), "gates": gates,
@@ -154,7 +200,14 @@ def run_check_command(args: argparse.Namespace, out: IO[str] = sys.stdout) -> in
         find_release(config, args.against)
         if args.candidate == args.against:
             raise ValueError("the candidate and the stable release are the same")
-        for name in ("num_prompts", "input_len", "output_len", "concurrency"):
+        if args.eval_config:
+            from llmserve.eval.presets import PRESETS
+
+            for preset in (args.eval_config, args.eval_reference):
+                if preset not in PRESETS:
+                    raise ValueError(f"unknown eval preset {preset!r} (presets: "
+                                     f"{sorted(PRESETS)})")
+        for name in ("num_prompts", "input_len", "output_len", "concurrency", "eval_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     except (OSError, ValueError) as e:
@@ -168,5 +221,8 @@ def run_check_command(args: argparse.Namespace, out: IO[str] = sys.stdout) -> in
     except (httpx.HTTPError, KeyError, ValueError) as e:
         sys.stderr.write(f"error: the check could not run against {args.url}: {e}\n")
         return 1
+    if args.eval_config:
+        report["gates"].append(offline_eval_gate(args))
+        report["passed"] = all(g["passed"] for g in report["gates"])
     out.write(json.dumps(report, indent=2) + "\n" if args.json else format_report(report))
     return 0 if report["passed"] else 1

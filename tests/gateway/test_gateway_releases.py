@@ -220,6 +220,20 @@ def test_admin_errors(serve: Callable[..., LiveServer]) -> None:
     assert r.status_code == 400 and "no canary" in r.json()["error"]["message"]
 
 
+def test_structured_validity_gate_measures_json_answers(serve: Callable[..., LiveServer]) -> None:
+    import asyncio
+
+    from llmserve.release_check import structured_validity
+
+    live = serve()
+
+    async def measure() -> float:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEYS['acme']}"}) as c:
+            return await structured_validity(c, live.base_url, "m-v1", 8)
+
+    assert asyncio.run(measure()) == 0.0     # the fake writes prose, never JSON
+
+
 def test_canary_on_an_unserved_target_gets_503_then_rolls_back(
         serve: Callable[..., LiveServer]) -> None:
     live = serve(canary={"release": "v4", "share": 1.0},

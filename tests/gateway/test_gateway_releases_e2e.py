@@ -58,6 +58,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                                     "--max-model-len", "256", "--num-kv-blocks", "128",
                                     "--num-threads", "1"], folder / "server.log")
     server.db = folder / "ledger.db"  # type: ignore[attr-defined]
+    server.tiny_a = a  # type: ignore[attr-defined]
     server.start()
     try:
         yield server
@@ -153,9 +154,11 @@ def test_release_check_gates(gw: ServerProcess) -> None:
     config = str(gw.config)
     small = ["--num-prompts", "4", "--input-len", "16", "--output-len", "4",
              "--concurrency", "2", "--config", config]
-    same = cli(gw, "check", "v2", "--against", "v1", *small)
+    same = cli(gw, "check", "v2", "--against", "v1", *small, "--eval-model",
+               gw.tiny_a, "--eval-config", "kv-int8", "--eval-tokens", "32")  # type: ignore
     assert same.returncode == 0, same.stdout + same.stderr
     assert "PASS  greedy_agreement" in same.stdout and "PASSED" in same.stdout
+    assert "PASS  eval:kv-int8" in same.stdout
     other = cli(gw, "check", "v3", "--against", "v1", *small)
     assert other.returncode == 1, other.stdout + other.stderr
     assert "FAIL  greedy_agreement" in other.stdout

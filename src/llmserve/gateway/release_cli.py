@@ -76,6 +76,13 @@ def add_release_commands(subparsers: Any) -> None:
     check.add_argument("--concurrency", type=int, default=4)
     check.add_argument("--tokenizer", default=None, help="tokenizer for the workload "
                        "(default: the default model's)")
+    check.add_argument("--eval-model", default=None, help="model files for the offline "
+                       "quality gate (llmserve eval; default model when only --eval-config)")
+    check.add_argument("--eval-config", default=None, help="the candidate's eval preset "
+                       "(e.g. int8); runs the offline quality gate")
+    check.add_argument("--eval-reference", default="fp32", help="the stable's eval preset")
+    check.add_argument("--eval-tokens", type=int, default=64,
+                       help="tokens of the eval text scored offline")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(func=run_release_check)
 

@@ -89,6 +89,7 @@ class GateThresholds:
     min_throughput_ratio: float = 0.8
     min_greedy_agreement: float = 0.9
     max_error_rate: float = 0.0
+    min_structured_validity: Optional[float] = None   # None: the release serves no JSON mode
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,7 @@ def _parse_gates(data: Mapping, path: str) -> GateThresholds:
                                           default.min_throughput_ratio),
         min_greedy_agreement=section.take("min_greedy_agreement", _rate,
                                           default.min_greedy_agreement),
-        max_error_rate=section.take("max_error_rate", _rate, default.max_error_rate))
+        max_error_rate=section.take("max_error_rate", _rate, default.max_error_rate),
+        min_structured_validity=section.take("min_structured_validity", _rate, None))
     section.finish()
     return gates
