@@ -114,6 +114,16 @@ def test_fingerprint_covers_identity_and_sampling() -> None:
     assert first.identity["tokenizer"] is None or isinstance(first.identity["tokenizer"], str)
 
 
+def test_adapter_identity_from_a_lora_view() -> None:
+    spec = load().releases["chat"].versions["v1"]
+    base = resolve_release(spec, "chat", engines()["a"])
+    view = engines()["a"]
+    view.lora_info = {"content_hash": "c0ffee" * 8}  # type: ignore[attr-defined]
+    release = resolve_release(spec, "chat", view)
+    assert base.identity["adapter"] is None and release.identity["adapter"] == "c0ffee" * 8
+    assert release.fingerprint != base.fingerprint
+
+
 def test_pinned_identity_must_match_the_engine() -> None:
     spec = load().releases["chat"].versions["v2"]
     eng = engines()["b"]

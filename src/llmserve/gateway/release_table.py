@@ -69,9 +69,10 @@ def _digest(text: Optional[str]) -> Optional[str]:
 def engine_identity(engine: Any) -> dict[str, Optional[str]]:
     """What an engine reports of its artifacts (None where it does not say).
 
-    Reads ``engine.fingerprint_parts()`` when the engine offers it (e.g. an adapter's
-    content hash), else the loaded model's weights fingerprint and quantization and
-    the tokenizer's fingerprint and chat template.
+    Reads the loaded model's weights fingerprint and quantization, the adapter's
+    content hash (``adapter_fingerprint``, or ``lora_info["content_hash"]`` of a served
+    LoRA adapter's view), the tokenizer's fingerprint and chat template; an engine's
+    ``fingerprint_parts()``, when it offers one, overrides them.
     """
     inner = getattr(engine, "engine", engine)
     tokenizer = getattr(engine, "tokenizer", None)
@@ -79,7 +80,8 @@ def engine_identity(engine: Any) -> dict[str, Optional[str]]:
     parts: dict[str, Optional[str]] = {
         "weights": getattr(inner, "weights_fingerprint", None),
         "quantization": getattr(runner, "quantization", None),
-        "adapter": getattr(engine, "adapter_fingerprint", None),
+        "adapter": getattr(engine, "adapter_fingerprint", None) or (
+            getattr(engine, "lora_info", None) or {}).get("content_hash"),
         "tokenizer": getattr(tokenizer, "fingerprint", None),
         "chat_template": _digest(getattr(tokenizer, "chat_template", None)),
     }
