@@ -94,14 +94,14 @@ def test_split_pins_defaults_headers_and_ledger(serve: Callable[..., LiveServer]
     live = serve(canary={"release": "v2", "share": 0.5}, pins={"pinned": "v1"})
     c = client(live)
     seen = {"v1": 0, "v2": 0}
-    for _ in range(100):
+    for _ in range(60):
         raw = ask(c)
         seen[raw.headers["x-llmserve-release"]] += 1
         reply = raw.parse()
         want = 3 if raw.headers["x-llmserve-release"] == "v1" else 2
         assert reply.usage.completion_tokens == want        # the release's max_tokens default
         assert len(raw.headers["x-llmserve-release-fingerprint"]) == 64
-    assert 40 <= seen["v1"] <= 60, seen
+    assert 24 <= seen["v1"] <= 36, seen
     explicit = ask(c, max_tokens=5).parse()
     assert explicit.usage.completion_tokens == 5             # a value the client sent wins
     assert "chat" in {m.id for m in c.models.list()}
@@ -109,7 +109,7 @@ def test_split_pins_defaults_headers_and_ledger(serve: Callable[..., LiveServer]
     pinned = {ask(client(live, "pinned")).headers["x-llmserve-release"] for _ in range(10)}
     assert pinned == {"v1"}
     ledger = rows(live.db)  # type: ignore[attr-defined]
-    assert len(ledger) == 111
+    assert len(ledger) == 71
     by_release = {r["release_id"] for r in ledger}
     assert by_release == {"v1", "v2"}
     fp = {r["release_id"]: r["release_fingerprint"] for r in ledger}

@@ -150,17 +150,27 @@ def test_switch_under_load_and_promote(gw: ServerProcess) -> None:
     assert ask(c).headers["x-llmserve-release"] == "v1"
 
 
-def test_release_check_gates(gw: ServerProcess) -> None:
-    config = str(gw.config)
+def test_release_check(gw: ServerProcess, capsys: pytest.CaptureFixture,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmserve.cli import build_parser
+
+    monkeypatch.setenv("LLMSERVE_API_KEY", KEYS["acme"])
+
+    def run(*args: str) -> int:
+        parsed = build_parser().parse_args(["release", "check", *args, "--config",
+                                            str(gw.config), "--url", gw.base_url])
+        return parsed.func(parsed)
+
     small = ["--num-prompts", "4", "--input-len", "16", "--output-len", "4",
-             "--concurrency", "2", "--config", config]
-    same = cli(gw, "check", "v2", "--against", "v1", *small, "--eval-model",
-               gw.tiny_a, "--eval-config", "kv-int8", "--eval-tokens", "32")  # type: ignore
-    assert same.returncode == 0, same.stdout + same.stderr
-    assert "PASS  greedy_agreement" in same.stdout and "PASSED" in same.stdout
-    assert "PASS  eval:kv-int8" in same.stdout
-    other = cli(gw, "check", "v3", "--against", "v1", *small)
-    assert other.returncode == 1, other.stdout + other.stderr
-    assert "FAIL  greedy_agreement" in other.stdout
-    unknown = cli(gw, "check", "nope", "--against", "v1", *small)
-    assert unknown.returncode == 2 and "no release 'nope'" in unknown.stderr
+             "--concurrency", "2"]
+    assert run("v2", "--against", "v1", *small, "--eval-model", gw.tiny_a,  # type: ignore
+               "--eval-config", "kv-int8", "--eval-tokens", "32") == 0
+    out = capsys.readouterr().out
+    assert "PASS  greedy_agreement" in out and "PASS  eval:kv-int8" in out and "PASSED" in out
+    assert run("v3", "--against", "v1", *small) == 1             # other weights
+    assert "FAIL  greedy_agreement" in capsys.readouterr().out
+    assert run("nope", "--against", "v1") == 2
+    assert "no release 'nope'" in capsys.readouterr().err
+    assert run("v2", "--against", "v2") == 2
+    assert run("v2", "--against", "v1", "--eval-config", "int3") == 2
+    assert "unknown eval preset 'int3'" in capsys.readouterr().err
