@@ -228,3 +228,18 @@ def test_older_ledger_gains_release_columns(tmp_path: Path) -> None:
     assert [r.release_id for r in ledger.records()] == [None, "v2"]
     assert [r.request_id for r in ledger.records(release="v2")] == ["r1"]
     ledger.close()
+
+
+def test_docs_example_config_is_valid() -> None:
+    import re
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "RELEASES.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+    keys = iter(hash_api_key(f"sk-{i}") for i in range(10))
+    example = re.sub(r'"sha256:\.\.\."', lambda _m: f'"{next(keys)}"', example)
+    config = GatewayConfig.from_dict(yaml.safe_load(example))
+    chat = config.releases["chat"]
+    assert chat.canary == "chat-v2" and chat.pins == {"bank": "chat-v1"}
+    assert chat.gates.min_structured_validity == 0.95 and chat.health.max_error_rate == 0.05
