@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
 
     add_admin_commands(sub)
+    from llmserve.gateway.release_cli import add_release_commands
+
+    add_release_commands(sub)
     _add_optional_commands(sub)
     return parser
 

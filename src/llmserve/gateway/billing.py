@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 from llmserve.gateway.idempotency import IdempotencyStore
 from llmserve.gateway.ledger import BillingLedger, UsageRecord
@@ -56,8 +56,9 @@ def billing_id(ctx: RequestContext) -> str:
 
 def usage_record(ctx: RequestContext, outcome: RequestOutcome, *, tenant: str,
                  served_model: Optional[str], idempotency_key: Optional[str],
-                 idempotency_run: Optional[str]) -> UsageRecord:
-    """The usage record of an admitted request (see the module docstring)."""
+                 idempotency_run: Optional[str], release: Any = None) -> UsageRecord:
+    """The usage record of an admitted request (see the module docstring); ``release``
+    (a :class:`~llmserve.gateway.release_table.Release`) fills its release columns."""
     usage = outcome.usage
     status = outcome.http_status if outcome.http_status is not None else CLIENT_CLOSED_STATUS
     return UsageRecord(
@@ -68,7 +69,9 @@ def usage_record(ctx: RequestContext, outcome: RequestOutcome, *, tenant: str,
         completion_tokens=usage.completion_tokens, finish_reason=finish_reason(outcome),
         status=status, created_at=ctx.arrival_time,
         finished_at=max(time.time(), ctx.arrival_time),
-        idempotency_key=idempotency_key, idempotency_run=idempotency_run)
+        idempotency_key=idempotency_key, idempotency_run=idempotency_run,
+        release_id=getattr(release, "id", None),
+        release_fingerprint=getattr(release, "fingerprint", None))
 
 
 def _same_file(ledger: BillingLedger, store: IdempotencyStore) -> bool:

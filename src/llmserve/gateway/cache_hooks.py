@@ -47,6 +47,7 @@ class RequestCaches:
     decision: Optional[CacheDecision] = None
     key: Optional[str] = None
     result: Optional[str] = None          # "hit" | "miss" | "bypass" (for the request log)
+    target: Optional[str] = None          # the served model meant to answer (not a fallback)
 
     @property
     def store(self) -> bool:
@@ -95,12 +96,14 @@ class GatewayCaches:
         if self.response_cache is None or not tenant.response_cache:
             return rc
         rc.decision = decide(body, ctx.headers)
-        served = self.router.get(ctx.model)
+        rc.target = ctx.served_model or ctx.model
+        served = self.router.get(rc.target)
         if not rc.decision.cacheable or served is None:
             rc.result = "bypass"
             self.response_cache.count(tenant.name, "bypass")
             return rc
-        rc.key = cache_key(fingerprint=str(served.engine.fingerprint), tenant=tenant.name,
+        fingerprint = ctx.extra.get("release_fingerprint") or served.engine.fingerprint
+        rc.key = cache_key(fingerprint=str(fingerprint), tenant=tenant.name,
                            endpoint=ctx.endpoint, body=body,
                            bundle=rc.bundle.bundle_id if rc.bundle else None)
         return rc
@@ -136,7 +139,9 @@ class GatewayCaches:
             completion_tokens=entry.completion_tokens, finish_reason=entry.finish_reason,
             status=entry.status, created_at=ctx.arrival_time,
             finished_at=max(time.time(), ctx.arrival_time), idempotency_key=idempotency_key,
-            idempotency_run=idempotency_run, cache_hit=True)
+            idempotency_run=idempotency_run, cache_hit=True,
+            release_id=ctx.response_headers.get("x-llmserve-release"),
+            release_fingerprint=ctx.extra.get("release_fingerprint"))
 
     async def complete(self, ctx: RequestContext, tenant: TenantConfig, rc: RequestCaches,
                        outcome: RequestOutcome, served_model: Optional[str],
@@ -150,7 +155,7 @@ class GatewayCaches:
         response = outcome.response
         if (not rc.store or self.response_cache is None or response is None
                 or response.status != 200 or outcome.status != "completed"
-                or served != ctx.model or not outcome.finish_reasons
+                or served != (rc.target or ctx.model) or not outcome.finish_reasons
                 or any(r not in STORABLE_FINISH for r in outcome.finish_reasons)):
             return
         entry = CachedResponse(

@@ -3,7 +3,8 @@
     llmserve keys hash [KEY]            print "sha256:<hex>" for the config (KEY from stdin if omitted)
     llmserve keys generate              print a new random key and its hash
     llmserve billing export [--config FILE | --database FILE] [--since T] [--until T] [--tenant NAME]
-                                        print usage records as CSV
+                            [--release ID] [--by-release]
+                                        print usage records (or per-release totals) as CSV
 
 Wiring (in llmserve.cli)::
 
@@ -15,12 +16,13 @@ Wiring (in llmserve.cli)::
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 from llmserve.gateway.config import GatewayConfig, generate_api_key, hash_api_key
-from llmserve.gateway.ledger import BillingLedger, parse_since
+from llmserve.gateway.ledger import BillingLedger, csv_safe, parse_since
 
 
 def add_admin_commands(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -42,6 +44,9 @@ def add_admin_commands(subparsers: "argparse._SubParsersAction[argparse.Argument
     export.add_argument("--since", help="ISO-8601 date or datetime (UTC if no offset); finished_at >= since")
     export.add_argument("--until", help="ISO-8601 date or datetime; finished_at < until")
     export.add_argument("--tenant", help="only this tenant's records")
+    export.add_argument("--release", help="only the records of this release id")
+    export.add_argument("--by-release", action="store_true",
+                        help="one summary row per release instead of the records")
     export.set_defaults(func=run_billing_export)
 
 
@@ -78,7 +83,35 @@ def run_billing_export(args: argparse.Namespace, out: IO[str] = sys.stdout) -> i
         return 2
     ledger = BillingLedger(database)
     try:
-        ledger.export_csv(out, since=since, until=until, tenant=args.tenant)
+        if getattr(args, "by_release", False):
+            export_release_summary(ledger, out, since=since, until=until, tenant=args.tenant,
+                                   release=getattr(args, "release", None))
+        else:
+            ledger.export_csv(out, since=since, until=until, tenant=args.tenant,
+                              release=getattr(args, "release", None))
     finally:
         ledger.close()
     return 0
+
+
+#: Columns of ``billing export --by-release``.
+RELEASE_SUMMARY_COLUMNS = ("release_id", "release_fingerprint", "requests", "prompt_tokens",
+                           "cached_tokens", "completion_tokens", "total_tokens")
+
+
+def export_release_summary(ledger: BillingLedger, out: IO[str], **filters: Any) -> int:
+    """One CSV row per (release id, fingerprint) of the matching records (an empty
+    release id: requests that named a served model directly); returns the row count."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for rec in ledger.records(**filters):
+        row = totals.setdefault((rec.release_id or "", rec.release_fingerprint or ""),
+                                [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += rec.prompt_tokens
+        row[2] += rec.cached_tokens
+        row[3] += rec.completion_tokens
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(RELEASE_SUMMARY_COLUMNS)
+    for (rid, fp), (n, prompt, cached, completion) in sorted(totals.items()):
+        writer.writerow([csv_safe(rid), fp, n, prompt, cached, completion, prompt + completion])
+    return len(totals)

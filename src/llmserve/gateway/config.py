@@ -1,4 +1,4 @@
-"""The gateway config file: tenants, API key hashes, limits, queue, fallback routes.
+"""The gateway config file: tenants, API key hashes, limits, queue, fallback routes, releases.
 
 ``GatewayConfig.load(path)`` reads YAML (``.yaml``/``.yml``/anything else) or TOML
 (``.toml``) and validates strictly: an unknown key, a wrong type or a malformed key hash
@@ -23,6 +23,7 @@ from llmserve.gateway.config_caches import (AdminConfig, CacheAuditConfig, Promp
                                             parse_cache_audit, parse_prompt_bundles,
                                             parse_response_cache)
 from llmserve.gateway.config_caches import key_hashes as parse_key_hashes
+from llmserve.gateway.release_config import ModelReleases, parse_releases
 from llmserve.gateway.config_fields import (Section, boolean, fraction, identifier, mapping,
                                             parse_toml, positive_int, positive_number, string,
                                             string_list)
@@ -134,6 +135,7 @@ class GatewayConfig:
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     prompt_bundles: PromptBundleConfig = PromptBundleConfig()
     cache_audit: CacheAuditConfig = CacheAuditConfig()
+    releases: Mapping[str, ModelReleases] = field(default_factory=dict)  # public model -> releases
 
     def bundle_budget(self, tenant: TenantConfig) -> int:
         """The tenant's KV pinning budget for prompt bundles, in blocks."""
@@ -184,6 +186,7 @@ class GatewayConfig:
         response_cache = parse_response_cache(root.take("response_cache", mapping, None))
         bundles = parse_prompt_bundles(root.take("prompt_bundles", mapping, None))
         audit = parse_cache_audit(root.take("cache_audit", mapping, None))
+        releases = parse_releases(root.take("releases", mapping, None), tenants)
         root.finish()
         if response_cache.store == "sqlite" and database is None and any(
                 t.response_cache for t in tenants.values()):
@@ -198,7 +201,8 @@ class GatewayConfig:
         return cls(tenants=tenants, models=models, queue=queue, request_timeout_s=request_timeout_s,
                    database=database, idempotency_ttl_s=idempotency_ttl_s, auth_required=True,
                    max_tokens_reservation=reservation, server=server, admin=admin,
-                   response_cache=response_cache, prompt_bundles=bundles, cache_audit=audit)
+                   response_cache=response_cache, prompt_bundles=bundles, cache_audit=audit,
+                   releases=releases)
 
     @classmethod
     def open_default(cls, database: Optional[str] = None) -> "GatewayConfig":

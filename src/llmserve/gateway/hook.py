@@ -53,6 +53,9 @@ from llmserve.gateway.prompt_bundles import BundleRegistry
 from llmserve.gateway.response_cache import CACHE_HEADER, ResponseCache
 from llmserve.gateway.response_store import CachedResponse
 from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter, estimate_tokens_from_bytes
+from llmserve.gateway.release_admin import ReleaseAdminAPI
+from llmserve.gateway.release_metrics import ReleaseMetricsCollector
+from llmserve.gateway.release_routing import ReleaseRouting, RequestRelease
 from llmserve.gateway.routing import ModelRouter
 from llmserve.gateway.request_log import log_request_summary
 from llmserve.protocol import priority_value
@@ -105,6 +108,7 @@ class _RequestState:
     first_output_at: Optional[float] = None
     served_model: Optional[str] = None
     caches: Optional[RequestCaches] = None
+    rel: Optional[RequestRelease] = None   # the release it runs on (docs/RELEASES.md)
 
     def release(self) -> None:
         """Leave the queue and give back the committed KV blocks (idempotent)."""
@@ -143,10 +147,21 @@ class TenantGateway:
         self.router = ModelRouter(config, models, self.auth)
         self.caches = GatewayCaches(config, self.router, response_cache, bundles)
         self.admin = AdminAPI(config, self.auth, self.caches)
+        self.releases = ReleaseRouting(config, self._engine_of)
+        self.release_admin = ReleaseAdminAPI(self.releases, self.admin)
         self._purger = None
         if store is not None:
             self._purger = PeriodicTask(store.purge_expired, purge_interval_s,
                                         "llmserve-idempotency-purge").start()
+
+    def _engine_of(self, name: str) -> Any:
+        """The engine of a served model name now (None if not served)."""
+        served = self.router.get(name)
+        return served.engine if served is not None else None
+
+    def public_models(self) -> dict[str, str]:
+        """Model names served through releases (public name -> stable target)."""
+        return self.releases.public_models()
 
     # ------------------------------------------------------------------ hooks
 
@@ -176,6 +191,7 @@ class TenantGateway:
         st: _RequestState = ctx.extra[_STATE]
         with _as_openai():
             self.auth.check_model(st.tenant, ctx.model or "")
+            st.rel = await self.releases.prepare(ctx, st.tenant.name)
             st.timeout_s = parse_request_timeout(ctx.headers.get("x-request-timeout"))
             body = await _parsed_body(ctx)
             st.caches = self.caches.prepare(ctx, st.tenant, body)
@@ -232,7 +248,7 @@ class TenantGateway:
         """400 / 429 / 503 or admitted: picks the model, deadlines and priority."""
         st: _RequestState = ctx.extra[_STATE]
         with _as_openai():
-            primary = self.router.get(ctx.model)
+            primary = self.router.get(ctx.served_model or ctx.model)
             if primary is None:  # the server passes served names only
                 raise InvalidRequest(f"The model `{ctx.model}` is not served", param="model")
             primary.admission.check_request(ctx.longest_prompt_tokens, ctx.max_tokens)
@@ -244,6 +260,7 @@ class TenantGateway:
                 self.limiter.resize(st.reservation, tokens)
             placement = self.router.enter(st.tenant, primary, ctx, tokens, reserve)
         chosen, st.ticket, st.kv = placement.model, placement.ticket, placement.kv
+        self.releases.admit(st.rel)
         st.served_model = chosen.name
         if chosen.name != primary.name:
             ctx.served_model = chosen.name
@@ -283,7 +300,8 @@ class TenantGateway:
                 and outcome.status in ("completed", "aborted"))
         record = usage_record(ctx, outcome, tenant=st.tenant.name, served_model=st.served_model,
                               idempotency_key=st.idem_key if keep else None,
-                              idempotency_run=st.idem_run_id if keep else None)
+                              idempotency_run=st.idem_run_id if keep else None,
+                              release=st.rel.release if st.rel else None)
         await asyncio.to_thread(write_outcome, self.ledger, self.store, record,
                                 key=st.idem_key, run_id=st.idem_run_id,
                                 request_id=st.idem_request_id, response=response if keep else None)
@@ -301,6 +319,7 @@ class TenantGateway:
                   completion_tokens=usage.completion_tokens, fingerprint=outcome.fingerprint,
                   served_model=record.served_model, idempotency_key=st.idem_key,
                   error=outcome.error)
+        await self.releases.complete(ctx, st.tenant.name, st.rel, outcome, st.first_output_at)
 
     async def on_reject(self, ctx: RequestContext, error: BaseException) -> None:
         """Release the queue place, the KV commitment, the rate-limit reservation (charging
@@ -320,6 +339,7 @@ class TenantGateway:
                 type(error).__name__ in ("ClientDisconnect", "ClientDisconnected") else 500
         self._log(ctx, st, status=status, error_code=getattr(error, "code", None),
                   idempotency_key=st.idem_key)
+        await self.releases.reject(st.rel, error)
 
     # ------------------------------------------------------------------ helpers
 
@@ -341,6 +361,9 @@ class TenantGateway:
             base["tenant"] = st.tenant.name
             base["priority"] = ctx.priority
             base["served_model"] = st.served_model
+            if st.rel is not None:
+                base["release"] = st.rel.release.id
+                base["release_fingerprint"] = st.rel.release.fingerprint
             if st.queue_time_s is not None:
                 base["queue_time_s"] = st.queue_time_s
             if st.first_output_at is not None:
@@ -350,17 +373,19 @@ class TenantGateway:
 
     def http_routes(self) -> list[ExtraRoute]:
         """The prompt-bundle and admin endpoints (:mod:`llmserve.gateway.admin`)."""
-        return self.admin.routes()
+        return self.admin.routes() + self.release_admin.routes()
 
     def register_metrics(self, registry: Any) -> None:
         """Response-cache and prompt-bundle metrics in the app's registry."""
         registry.register(CacheMetricsCollector(self.caches, self.config))
+        registry.register(ReleaseMetricsCollector(self.releases))
 
     def close(self) -> None:
         """Stop the purge thread and close the SQLite connections (at server shutdown)."""
         if self._purger is not None:
             self._purger.stop()
         self.caches.close()
+        self.releases.close()
         for db in (self.ledger, self.store):
             if db is not None:
                 db.close()

@@ -77,10 +77,12 @@ _FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
 
 _COLUMNS = ("tenant", "request_id", "idempotency_key", "model", "served_model", "fingerprint",
             "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "status",
-            "created_at", "finished_at", "idempotency_run", "cache_hit")
+            "created_at", "finished_at", "idempotency_run", "cache_hit", "release_id",
+            "release_fingerprint")
 
 #: Columns of ``export_csv``, in order; timestamps as ISO-8601 UTC.
-CSV_COLUMNS = ("record_id",) + _COLUMNS[:9] + ("total_tokens",) + _COLUMNS[9:13] + ("cache_hit",)
+CSV_COLUMNS = (("record_id",) + _COLUMNS[:9] + ("total_tokens",) + _COLUMNS[9:13]
+               + ("cache_hit", "release_id", "release_fingerprint"))
 
 Since = Union[str, dt.date, dt.datetime, float, int, None]
 
@@ -110,6 +112,8 @@ class UsageRecord:
     idempotency_run: Optional[str] = None   # the idempotency store's run id of the key
     cache_hit: bool = False                 # a response-cache hit: no engine work (price rule:
                                             # docs/CACHING.md)
+    release_id: Optional[str] = None        # the release that served it (docs/RELEASES.md)
+    release_fingerprint: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("tenant", "request_id", "model", "finish_reason"):
@@ -179,7 +183,8 @@ def csv_safe(value: Any) -> Any:
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a ledger written by an older version up to the current schema (idempotent)."""
     add_missing_columns(conn, "usage", {"idempotency_run": "TEXT",
-                                        "cache_hit": "INTEGER NOT NULL DEFAULT 0"})
+                                        "cache_hit": "INTEGER NOT NULL DEFAULT 0",
+                                        "release_id": "TEXT", "release_fingerprint": "TEXT"})
     conn.executescript(_RUN_INDEX)
 
 
@@ -230,16 +235,18 @@ class BillingLedger:
             return int(conn.execute("SELECT COUNT(*) FROM usage").fetchone()[0])
 
     def records(self, since: Since = None, tenant: Optional[str] = None,
-                until: Since = None) -> list[UsageRecord]:
-        """Records with ``since <= finished_at < until`` (bounds optional), oldest first."""
+                until: Since = None, release: Optional[str] = None) -> list[UsageRecord]:
+        """Records with ``since <= finished_at < until`` (bounds optional), of one tenant
+        and one release (``release_id``) when given, oldest first."""
         clauses, params = [], []
         for op, bound in ((">=", parse_since(since)), ("<", parse_since(until))):
             if bound is not None:
                 clauses.append(f"finished_at {op} ?")
                 params.append(bound)
-        if tenant is not None:
-            clauses.append("tenant = ?")
-            params.append(tenant)
+        for column, value in (("tenant", tenant), ("release_id", release)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         with self._db.connection() as conn:
             rows = conn.execute(
@@ -249,13 +256,13 @@ class BillingLedger:
         return [UsageRecord(**dict(row)) for row in rows]
 
     def export_csv(self, stream: IO[str], since: Since = None, tenant: Optional[str] = None,
-                   until: Since = None) -> int:
+                   until: Since = None, release: Optional[str] = None) -> int:
         """Write matching records as CSV (header row, columns ``CSV_COLUMNS``); returns the row count.
 
         Text cells are passed through :func:`csv_safe` (formula injection)."""
         writer = csv.writer(stream, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
-        rows = self.records(since=since, tenant=tenant, until=until)
+        rows = self.records(since=since, tenant=tenant, until=until, release=release)
         for rec in rows:
             fields = dataclasses.asdict(rec)
             fields["total_tokens"] = rec.total_tokens

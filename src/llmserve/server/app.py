@@ -131,14 +131,23 @@ def create_app(
             arrival_time=state.get("arrival_time", time.time()))
         await call_hook(gateway, "authenticate", ctx)
 
+    def public_cards() -> dict[str, dict[str, Any]]:
+        """The gateway's public names (releases), each shown like its current target."""
+        public = getattr(gateway, "public_models", None)
+        targets = public() if callable(public) else {}
+        return {p: dict(model_card(t), id=p) for p, t in targets.items() if t in all_engines}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> Any:
         await authenticate(request)
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        return {"object": "list",
+                "data": [model_card(n) for n in names] + list(public_cards().values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Any:
         await authenticate(request)
+        if model_id in public_cards():
+            return public_cards()[model_id]
         if model_id not in names:
             raise OpenAIError(404, f"The model `{model_id}` does not exist", param="model",
                               code="model_not_found")

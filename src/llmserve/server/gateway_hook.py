@@ -19,11 +19,15 @@ function or a coroutine function. For each generation request the server calls:
 3. ``prepare(ctx)`` -- now ``model``, ``user``, ``stream`` and ``raw_body`` are set.
    Check what the request asks for (403), claim an idempotency key (409/422), or set
    ``ctx.replay`` to a :class:`CapturedResponse`: the server then sends that response
-   as it is (JSON body, or the stored SSE events) and calls no further hook.
+   as it is (JSON body, or the stored SSE events) and calls no further hook. A
+   gateway that serves a public name (``public_models()``, e.g. a release) sets
+   ``ctx.served_model`` here: the server tokenizes with that model's engine; and it may
+   set ``ctx.sampling_defaults`` (temperature, top_p, max_tokens ... for the fields
+   the request omits).
 4. the server tokenizes the prompt(s) (on threads shared fairly by ``ctx.tenant``)
    and checks the context length; ``prompt_tokens`` and ``longest_prompt_tokens`` are
    set as soon as the prompt is tokenized, so ``on_reject`` can charge for it.
-5. ``admit(ctx)`` -- now ``prompt_tokens``, ``longest_prompt_tokens``, ``max_tokens``
+5. ``admit(ctx)`` -- now ``prompt_token_ids``, ``sampling_params``, ``prompt_tokens``, ``longest_prompt_tokens``, ``max_tokens``
    (``max_tokens_requested`` is None when the client did not set one and
    ``max_tokens`` is the rest of the context), and ``num_choices`` are known and
    ``priority`` holds the body's value (or what an earlier hook put there). Raise OpenAIError (429 with a ``Retry-After`` header,
@@ -136,6 +140,8 @@ class RequestContext:
     max_tokens: int = 0                  # per choice, after filling the context
     max_tokens_requested: Optional[int] = None  # what the client asked for (None: not set)
     num_choices: int = 0                 # prompts x n
+    prompt_token_ids: Optional[list[list[int]]] = None  # set before admit: the prompts' tokens
+    sampling_params: Any = None          # set before admit: the request's SamplingParams
     # Written by the gateway:
     tenant: Optional[str] = None
     priority: Union[int, str, None] = None
@@ -148,6 +154,7 @@ class RequestContext:
     prefix_messages: Optional[list[dict[str, Any]]] = None  # set in prepare(): go before messages
     prefix_tools: Optional[list[dict[str, Any]]] = None  # set in prepare(): go before tools
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
+    sampling_defaults: Optional[dict[str, Any]] = None  # set in prepare(): for omitted fields
     extra: dict[str, Any] = field(default_factory=dict)  # the gateway's own per-request state
 
 

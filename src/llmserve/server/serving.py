@@ -35,6 +35,7 @@ from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatComple
                                              parse_request)
 from llmserve.server.response_shaping import ResponseOptions, fim_prompt
 from llmserve.server.responses import ResponseHeader
+from llmserve.server.sampling_defaults import apply_sampling_defaults
 from llmserve.server.tool_calls import chat_prompt_tokens
 from llmserve.server.sse import (ClientDisconnected, EventStreamResponse, replay_response,
                                  run_until_disconnect)
@@ -118,7 +119,9 @@ class OpenAIServing:
         """The served name to answer as; a missing model means the default (first) one."""
         if not requested:
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        public = getattr(self.gateway, "public_models", None)
+        if requested not in self.served_model_names and not (
+                callable(public) and requested in public()):
             raise OpenAIError(404, f"The model `{requested}` does not exist",
                               param="model", code="model_not_found")
         return requested
@@ -265,11 +268,15 @@ class OpenAIServing:
         else:
             req = parse_request(model_cls, body, self.input_limits)
         model = self.resolve_model(req.model)
-        engine = self.engines[model]
         ctx.model, ctx.user, ctx.stream, ctx.raw_body = model, req.user, bool(req.stream), body
         await call_hook(self.gateway, "prepare", ctx)
         if ctx.replay is not None:
             return req, [], SamplingParams(), 0
+        engine = self.engines.get(ctx.served_model or model)
+        if engine is None:
+            raise OpenAIError(500, f"the gateway chose model {ctx.served_model!r}, which is not "
+                              "served", code="internal_error")
+        apply_sampling_defaults(req, ctx.sampling_defaults)
         requested, max_field = req.requested_max_tokens
         num_logprobs = req.num_logprobs if chat else req.logprobs
         params = make_sampling_params(req, requested, max_field, num_logprobs, chat=chat)
@@ -293,6 +300,7 @@ class OpenAIServing:
             prompts = await self._in_thread(ctx, self._text_prompts, engine, req.prompt_list(),
                                             req.suffix)
             what = "prompt"
+        ctx.prompt_token_ids, ctx.sampling_params = prompts, params
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         ctx.longest_prompt_tokens = max((len(p) for p in prompts), default=0)
         ctx.max_tokens_requested = requested
@@ -308,6 +316,7 @@ class OpenAIServing:
                 params = dataclasses.replace(params, max_tokens=max_tokens)
             except ValueError as exc:
                 raise value_error_to_openai(exc) from None
+        ctx.sampling_params = params
         return req, prompts, params, max_tokens
 
     async def _run(self, request: Request, ctx: RequestContext, prompts: list[list[int]],
