@@ -237,13 +237,23 @@ class AsyncLLM:
         """The prefix cache's blocks, pins and hit counters (LLMEngine.cache_stats)."""
         return await self.call_on_engine(LLMEngine.cache_stats)
 
-    async def load_lora_adapter(self, name: str, path: str) -> Any:
-        """Register a LoRA adapter (EngineLoras.add); returns its LoraRef."""
-        return await self.call_on_engine(lambda engine: engine.loras.add(name, path))
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine serves LoRA adapters (``--max-loras``)."""
+        return self.engine.loras.enabled
 
-    async def unload_lora_adapter(self, name: str) -> Any:
+    def lora_adapters(self) -> list[dict]:
+        """The loaded LoRA adapters (EngineLoras.describe of each)."""
+        return [self.engine.loras.describe(r) for r in self.engine.loras.list()]
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Register a LoRA adapter (EngineLoras.add); returns its description."""
+        return await self.call_on_engine(
+            lambda engine: engine.loras.describe(engine.loras.add(name, path)))
+
+    async def unload_lora_adapter(self, name: str) -> None:
         """Unregister a LoRA adapter (EngineLoras.remove: LoraInUse while in use)."""
-        return await self.call_on_engine(lambda engine: engine.loras.remove(name))
+        await self.call_on_engine(lambda engine: engine.loras.remove(name))
 
     async def set_cache_audit_rate(self, rate: float) -> None:
         """Share of prefix hits written to the ``llmserve.cache_audit`` log."""

@@ -91,6 +91,7 @@ class EngineLoras:
 
     def describe(self, ref: LoraRef) -> dict[str, Any]:
         """JSON-ready facts about one adapter (for the load endpoint and /v1/models)."""
+        fingerprint = self.fingerprint(ref)
         return {"name": ref.name, "path": ref.path, "rank": ref.rank,
                 "target_modules": list(ref.target_modules), "content_hash": ref.content_hash,
-                "fingerprint": self.fingerprint(ref)}
+                "fingerprint": fingerprint, "system_fingerprint": "fp_" + fingerprint[:16]}
