@@ -20,6 +20,9 @@ import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
 from llmserve.engine.lora_registry import LoraError, LoraInUse, LoraNotFound
 from llmserve.server.errors import OpenAIError
 from llmserve.server.gateway_hook import HTTPCall
@@ -151,9 +154,6 @@ def install_lora_routes(app: Any, serving: Any, engine: Any, parent: str,
     """Serve ``engine``'s adapters and the load/unload endpoints (None: no LoRA)."""
     if not LoraAdapters.supported(engine):
         return None
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-
     adapters = LoraAdapters(serving, engine, parent, gateway)
 
     def endpoint(handler: Any) -> Any:
