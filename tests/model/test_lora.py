@@ -122,3 +122,30 @@ def test_without_lora_the_layers_are_not_wrapped(tiny):
     assert not any(isinstance(m, LoraLinear) for m in llm.engine.runner.model.modules())
     with pytest.raises(ValueError, match="not enabled"):
         llm.generate([PROMPTS[0]], GREEDY, lora="a")
+
+
+def test_compiled_base_steps_and_eager_adapter_steps_agree_with_eager(tiny):
+    eager = make_llm(tiny, max_num_seqs=4)
+    compiled = make_llm(tiny, max_num_seqs=4, enforce_eager=False)
+    runner = compiled.engine.runner
+    assert runner.compiled is not None and runner.lora is not None
+    calls = []
+    inner = runner.compiled
+
+    class Counting:   # counts the decode steps that ran through the compiled graph
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def __call__(self, staged):
+            calls.append(staged.num_seqs)
+            return inner(staged)
+
+    runner.compiled = Counting()
+    mix = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("b", PROMPTS[2])]
+    for names in ([None, None, None], [n for n, _ in mix]):   # base-only, then mixed
+        calls.clear()
+        want = eager.generate([p for _, p in mix], GREEDY, lora=names)
+        got = compiled.generate([p for _, p in mix], GREEDY, lora=names)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert bool(calls) == (names[0] is None)   # adapter steps never enter the graph
+    assert not inner.failed

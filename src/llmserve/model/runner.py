@@ -102,8 +102,9 @@ class ModelRunner:
         if not eager and self.model.compile_unsupported:
             logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
         elif not eager and self.lora is not None:
-            logger.warning("decode step runs eagerly: LoRA adapters are enabled (--max-loras)")
-        elif not eager and self.parallel is None and self.lora is None:   # no collectives
+            logger.info("LoRA: decode steps with an adapter run eagerly (base-only steps use "
+                        "the compiled graph)")
+        if not eager and not self.model.compile_unsupported and self.parallel is None:  # no TP
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
                                                self.buffers, cfg.max_num_seqs, self.device)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
@@ -156,7 +157,8 @@ class ModelRunner:
         broadcast_step(self.parallel, step, self.capture_all_logits)
         order = self._order(step)
         compiled = (self.compiled is not None and not self.capture_all_logits
-                    and not step.prompt_logprob_targets and step.is_decode_only and self.compiled.accepts(step.num_seqs))
+                    and not step.prompt_logprob_targets and step.is_decode_only and self.compiled.accepts(step.num_seqs)
+                    and (self.lora is None or not any(step.loras)))   # LoRA steps: eager
         pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
         staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
         if self.lora is not None:
