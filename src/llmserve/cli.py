@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
+    from llmserve.bench.lora_step import add_lora_bench_parser
     from llmserve.bench.offline import add_offline_bench_parser
     from llmserve.bench.quant_step import add_quant_bench_parser
     from llmserve.bench.step_profile import add_step_bench_parser
@@ -275,6 +276,7 @@ def _add_optional_commands(sub) -> None:
     add_offline_bench_parser(bsub, add_engine_args, engine_config_from_args)
     add_step_bench_parser(bsub, add_engine_args, engine_config_from_args)
     add_quant_bench_parser(bsub, add_engine_args, engine_config_from_args)
+    add_lora_bench_parser(bsub, add_engine_args, engine_config_from_args)
     try:
         from llmserve.bench.cli import add_bench_subparsers, add_kv_calc_subparser
     except ImportError:  # pragma: no cover - bench tool not present

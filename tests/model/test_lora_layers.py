@@ -31,7 +31,7 @@ def fused_layer(method) -> Linear:
                                     Int4LinearMethod(32)], ids=["dense", "int8", "int4"])
 def test_delta_is_added_per_token_slot_over_any_base(method):
     base = fused_layer(method)
-    state = LoraStepState()
+    state = LoraStepState(2)
     lora = LoraLinear(base, state, num_slots=2, max_rank=8, dtype=torch.float32,
                       device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -43,8 +43,8 @@ def test_delta_is_added_per_token_slot_over_any_base(method):
     lora.set_shard(0, 2, a_v, b_v, 0.5)
     lora.set_shard(1, 1, a_k, b_k, 2.0)
     x = torch.randn(5, IN, generator=gen)
-    slots = torch.tensor([0, 1, 2, 1, 0])          # 0: base, 1: slot 0, 2: slot 1
-    state.mask = torch.nn.functional.one_hot(slots, 3)[:, 1:].float()
+    slots = [0, 1, 2, 1, 0]                        # 0: base, 1: slot 0, 2: slot 1
+    state.set(slots, [1] * 5, torch.float32, torch.device("cpu"))
     got = lora(x)
     want = base(x).clone()
     q, k, v = OUTS[0], OUTS[0] + OUTS[1], sum(OUTS)
@@ -53,10 +53,16 @@ def test_delta_is_added_per_token_slot_over_any_base(method):
         want[t, k:v] += 0.5 * (x[t] @ a_v.T @ b_v.T)
     want[2, q:k] += 2.0 * (x[2] @ a_k.T @ b_k.T)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    state.mask = None                               # a base-only step: the base alone
+    state.set([2, 2], [3, 2], torch.float32, torch.device("cpu"))   # slot 1 only, no mask
+    assert state.mask is None and (state.lo, state.n) == (1, 1)
+    want_k = base(x).clone()
+    want_k[:, q:k] += 2.0 * (x @ a_k.T @ b_k.T)
+    torch.testing.assert_close(lora(x), want_k, atol=1e-4, rtol=1e-4)
+    state.set([0, 0], [3, 2], torch.float32, torch.device("cpu"))   # base only
+    assert not state.active
     torch.testing.assert_close(lora(x), base(x))
     lora.clear_slot(0)
-    state.mask = torch.nn.functional.one_hot(slots, 3)[:, 1:].float()
+    state.set(slots, [1] * 5, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(lora(x)[1], base(x)[1])
 
 

@@ -12,10 +12,12 @@ dense, int8, int4, GGUF-packed) and adds the adapters' delta with two dense matm
     y = base(x) + ((x @ a^T).view(T, S, k*R) * mask[:, :, None]).view(T, S*k*R) @ b
 
 ``S`` = ``max_loras`` slots, ``k`` = shards of the fused layer (3 for q/k/v, 2 for gate/up,
-1 otherwise), ``R`` = ``max_lora_rank`` (a smaller rank leaves zero rows). The shapes do not
-depend on which adapters a step mixes, so one batch holds several adapters and the base
-without a per-request loop; ``b`` is block-diagonal over shards, so a q-only adapter leaves
-k and v untouched. With no adapter in a step the mask is None and only the base runs.
+1 otherwise), ``R`` = ``max_lora_rank`` (a smaller rank leaves zero rows). One batch holds
+several adapters and the base without a per-request loop; ``b`` is block-diagonal over
+shards, so a q-only adapter leaves k and v untouched. Two cheaper cases of the same sum,
+set once per step by :class:`LoraStepState`: only the slot range ``lo .. lo+n`` the step
+uses is multiplied (rows of ``a``/``b`` are contiguous per slot), and when every token runs
+the same adapter the mask is dropped. A step without adapters runs only the base.
 """
 from __future__ import annotations
 
@@ -28,11 +30,33 @@ from llmserve.model.layers.linear import Linear
 
 
 class LoraStepState:
-    """The per-step input every wrapped layer of one model reads: the slot mask."""
+    """The per-step input every wrapped layer of one model reads (set by :meth:`set`)."""
 
-    def __init__(self) -> None:
-        #: (tokens, slots) one-hot in the model dtype; None: no adapter in this step
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.active = False                  # any adapter in this step
+        self.lo, self.n = 0, num_slots       # the slot range the step uses
+        #: (tokens, n) one-hot in the model dtype; None: every token uses slot ``lo``
         self.mask: Optional[torch.Tensor] = None
+
+    def set(self, seq_index: list[int], query_lens: list[int], dtype: torch.dtype,
+            device: torch.device) -> None:
+        """Per sequence its adapter index (0: base, s + 1: slot s) and token count."""
+        used = {i for i in seq_index if i}
+        self.active = bool(used)
+        self.mask = None
+        if not used:
+            return
+        self.lo, self.n = min(used) - 1, max(used) - min(used) + 1
+        if len(used) == 1 and 0 not in seq_index:
+            return   # one adapter for every token: no mask
+        per_token = torch.repeat_interleave(torch.tensor(seq_index), torch.tensor(query_lens))
+        onehot = torch.nn.functional.one_hot(per_token, self.num_slots + 1)
+        self.mask = onehot[:, 1 + self.lo:1 + self.lo + self.n].to(device=device, dtype=dtype)
+
+    def clear(self) -> None:
+        self.active = False
+        self.mask = None
 
 
 class LoraLinear(nn.Module):
@@ -78,14 +102,18 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mask = self.state.mask
-        if mask is None:
+        st = self.state
+        if not st.active:
             return y
         t = x.shape[0]
         width = self.num_shards * self.max_rank
-        xa = torch.nn.functional.linear(x.to(self.a.dtype), self.a)
-        xa = (xa.view(t, self.num_slots, width) * mask[:t, :, None]).view(t, -1)
-        return y + (xa @ self.b).to(y.dtype)
+        rows = slice(st.lo * width, (st.lo + st.n) * width)
+        xa = torch.nn.functional.linear(x.to(self.a.dtype), self.a[rows])
+        if st.mask is not None:
+            xa = (xa.view(t, st.n, width) * st.mask[:t, :, None]).view(t, -1)
+        if y.dtype != xa.dtype:
+            return y + (xa @ self.b[rows]).to(y.dtype)
+        return torch.addmm(y, xa, self.b[rows])
 
     @property
     def weight_bytes(self) -> int:

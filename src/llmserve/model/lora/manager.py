@@ -40,7 +40,7 @@ class LoraManager:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.state = LoraStepState()
+        self.state = LoraStepState(max_loras)
         self.num_layers = len(model.layers)
         #: (layer, PEFT target) -> (wrapped layer, shard of the fused layer)
         self.targets: dict[tuple[int, str], tuple[LoraLinear, Optional[int]]] = {}
@@ -140,18 +140,11 @@ class LoraManager:
         """Slots for this step's adapters and the per-token mask (rows in runner order:
         ``loras[i]`` and ``query_lens[i]`` of the i-th staged sequence)."""
         if all(ref is None for ref in loras):
-            self.state.mask = None
+            self.state.clear()
             return
         keep = {ref.content_hash for ref in loras if ref is not None}
         index = [0 if ref is None else 1 + self._slot_for(ref, keep) for ref in loras]
-        per_token = torch.repeat_interleave(torch.tensor(index),
-                                            torch.tensor(list(query_lens)))
-        mask = torch.nn.functional.one_hot(per_token, self.max_loras + 1)[:, 1:]
-        self.state.mask = mask.to(device=self.device, dtype=self.dtype)
-
-    def finish_step(self) -> None:
-        """Drop the step's mask (the next base-only step runs the plain layers)."""
-        self.state.mask = None
+        self.state.set(index, list(query_lens), self.dtype, self.device)
 
     @property
     def slot_bytes(self) -> int:
