@@ -38,7 +38,9 @@ class LoraManager:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.dtype = dtype
+        # small bf16/fp16 matmuls are slow on CPUs (no packed kernel for them): the
+        # low-rank products run in float32 there; on accelerators in the model dtype
+        self.dtype = torch.float32 if device.type == "cpu" else dtype
         self.device = device
         self.state = LoraStepState(max_loras)
         self.num_layers = len(model.layers)
