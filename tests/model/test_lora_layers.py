@@ -130,3 +130,12 @@ def _shrunk_adapter(src: str, dst: str) -> str:
                for k, v in load_file(path).items()}
     save_file(tensors, path)
     return dst
+
+
+def test_config_needs_slots_for_start_up_adapters():
+    from llmserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(lora_modules=(("a", "/x"),))
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        EngineConfig(max_loras=1, max_lora_rank=0)
