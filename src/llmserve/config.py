@@ -97,6 +97,8 @@ class EngineConfig:
                              f"{self.max_loras} and {self.max_lora_rank}")
         if self.lora_modules and self.max_loras == 0:
             raise ValueError("lora_modules need max_loras >= 1 (LoRA slots)")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1")
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
 

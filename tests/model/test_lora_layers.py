@@ -139,3 +139,5 @@ def test_config_needs_slots_for_start_up_adapters():
         EngineConfig(lora_modules=(("a", "/x"),))
     with pytest.raises(ValueError, match="max_lora_rank"):
         EngineConfig(max_loras=1, max_lora_rank=0)
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        EngineConfig(max_loras=2, tensor_parallel_size=2)
