@@ -35,6 +35,7 @@ class LoraModelView:
 
     def __init__(self, base: Any, parent: str, info: dict[str, Any]) -> None:
         self._base = base
+        self.base_engine = base   # the engine that runs it (admin operations dedupe on it)
         self.lora_name: str = info["name"]
         self.lora_parent = parent
         self.lora_info = info
