@@ -125,8 +125,8 @@ def test_without_lora_the_layers_are_not_wrapped(tiny):
 
 
 def test_compiled_base_steps_and_eager_adapter_steps_agree_with_eager(tiny):
-    eager = make_llm(tiny, max_num_seqs=4)
-    compiled = make_llm(tiny, max_num_seqs=4, enforce_eager=False)
+    eager = make_llm(tiny, max_num_seqs=2)
+    compiled = make_llm(tiny, max_num_seqs=2, enforce_eager=False)   # one bucket to compile
     runner = compiled.engine.runner
     assert runner.compiled is not None and runner.lora is not None
     calls = []
@@ -141,8 +141,8 @@ def test_compiled_base_steps_and_eager_adapter_steps_agree_with_eager(tiny):
             return inner(staged)
 
     runner.compiled = Counting()
-    mix = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("b", PROMPTS[2])]
-    for names in ([None, None, None], [n for n, _ in mix]):   # base-only, then mixed
+    mix = [("a", PROMPTS[0]), (None, PROMPTS[1])]
+    for names in ([None, None], [n for n, _ in mix]):   # base-only, then mixed
         calls.clear()
         want = eager.generate([p for _, p in mix], GREEDY, lora=names)
         got = compiled.generate([p for _, p in mix], GREEDY, lora=names)

@@ -92,6 +92,8 @@ def test_scaling_plain_and_rslora():
 def test_bad_adapter_folders_fail_clearly(tmp_path):
     from llmserve import LLM
 
+    pytest.importorskip("peft")
+
     base = make_base(str(tmp_path / "base"))
     good = make_adapter(base, str(tmp_path / "good"), targets=["q_proj"])
     llm = LLM(base, num_kv_blocks=16, dtype="float32", max_loras=1, max_lora_rank=4)
