@@ -142,3 +142,20 @@ def test_gateway_admin_key_and_tenant_allow_lists(engine, tiny, start_server, tm
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         complete(alpha, "alpha-b")
+
+
+def test_an_engine_without_lora_says_how_to_enable_it(tiny, start_server):
+    from llmserve.async_llm import AsyncLLM
+    from llmserve.config import EngineConfig
+
+    plain = AsyncLLM.from_config(EngineConfig(model=tiny[0], dtype="float32", num_kv_blocks=16))
+    try:
+        live = start_server(plain, served_model_names=["base"])
+        r = httpx.post(live.url("/v1/load_lora_adapter"),
+                       json={"lora_name": "a", "lora_path": tiny[1]}, timeout=60)
+        err = assert_openai_error(r, 400, code="invalid_lora")
+        assert "--max-loras" in err["message"]
+        client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["base"]
+    finally:
+        plain.shutdown()

@@ -69,7 +69,9 @@ class LoraAdapters:
 
     @staticmethod
     def supported(engine: Any) -> bool:
-        return bool(getattr(engine, "lora_enabled", False))
+        """Engines that can load adapters (an engine without ``--max-loras`` answers the
+        load endpoint with a 400 that says how to enable LoRA)."""
+        return callable(getattr(engine, "load_lora_adapter", None))
 
     def _serve(self, info: dict[str, Any]) -> None:
         view = LoraModelView(self.engine, self.parent, info)
