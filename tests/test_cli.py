@@ -63,3 +63,14 @@ def test_speculative_flags_generate_and_clear_errors(tmp_path):
             "--ngram-max", "2", "hi")
     assert r.returncode == 2
     assert "ngram_min" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_lora_flags_give_clear_errors(tmp_path):
+    r = run("generate", "--lora-modules", "no-equals-sign", "hi")
+    assert r.returncode == 2 and "NAME=PATH" in r.stderr
+    path = make_tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_heads=4, num_kv_heads=2)
+    r = run("generate", "--model", path, "--num-kv-blocks", "32", "hi", "--lora-modules",
+            f"sql={tmp_path / 'no-adapter'}")
+    assert r.returncode == 2
+    assert "no-adapter" in r.stderr and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -19,6 +19,8 @@ NO_TORCH_MODULES = [
     "llmserve.engine.step_isolation",
     "llmserve.engine.spec_proposer",
     "llmserve.engine.spec_decode",
+    "llmserve.engine.lora_registry",
+    "llmserve.server.lora_adapters",
     "llmserve.protocol",
     "llmserve.sampling_params",
     "llmserve.config",

@@ -123,10 +123,11 @@ class AsyncLLM:
         self, prompt: PromptType, params: SamplingParams, request_id: str, *,
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,
         deadline: Optional[float] = None, queue_deadline: Optional[float] = None,
-        prediction: Optional[str] = None,
+        prediction: Optional[str] = None, lora: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas; closing or cancelling the iterator aborts the request.
-        ``prediction``: the expected output text (Predicted Outputs)."""
+        ``prediction``: the expected output text (Predicted Outputs); ``lora``: a loaded
+        LoRA adapter's name."""
         self._check_alive()
         spec = getattr(params, "structured_output", None)
         if spec is not None:  # compile on the grammar thread: the engine thread never waits
@@ -139,7 +140,7 @@ class AsyncLLM:
         internal = f"{request_id}@{next(self._counter)}"
         user, children = self.engine.make_requests(
             internal, prompt, params, priority=priority, cache_salt=cache_salt,
-            deadline=deadline, queue_deadline=queue_deadline, prediction=prediction)
+            deadline=deadline, queue_deadline=queue_deadline, prediction=prediction, lora=lora)
         stream = _Stream(asyncio.get_running_loop(), request_id)
         self._streams[internal] = stream
         self._internal[request_id] = internal
@@ -235,6 +236,24 @@ class AsyncLLM:
     async def cache_stats(self) -> dict:
         """The prefix cache's blocks, pins and hit counters (LLMEngine.cache_stats)."""
         return await self.call_on_engine(LLMEngine.cache_stats)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine serves LoRA adapters (``--max-loras``)."""
+        return self.engine.loras.enabled
+
+    def lora_adapters(self) -> list[dict]:
+        """The loaded LoRA adapters (EngineLoras.describe of each)."""
+        return [self.engine.loras.describe(r) for r in self.engine.loras.list()]
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Register a LoRA adapter (EngineLoras.add); returns its description."""
+        return await self.call_on_engine(
+            lambda engine: engine.loras.describe(engine.loras.add(name, path)))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unregister a LoRA adapter (EngineLoras.remove: LoraInUse while in use)."""
+        await self.call_on_engine(lambda engine: engine.loras.remove(name))
 
     async def set_cache_audit_rate(self, rate: float) -> None:
         """Share of prefix hits written to the ``llmserve.cache_audit`` log."""

@@ -74,6 +74,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard every layer over N ranks (processes; gloo on CPU, NCCL on CUDA); "
                         "under torchrun, ranks > 0 become workers (docs/SCALING.md)")
+    lo = p.add_argument_group("LoRA adapters (docs/LORA.md)")
+    lo.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module,
+                    metavar="NAME=PATH", help="PEFT adapter folders served as model NAME")
+    lo.add_argument("--max-loras", type=int, default=None,
+                    help="LoRA slots: most distinct adapters in one step (default 4 with "
+                         "--lora-modules, else 0: LoRA off; > 0 enables runtime loading)")
+    lo.add_argument("--max-lora-rank", type=int, default=16,
+                    help="largest adapter rank accepted (slot size)")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -94,6 +109,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_max_batch=args.speculative_max_batch,
         speculative_adaptive=args.speculative_adaptive,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras if args.max_loras is not None else (
+            4 if args.lora_modules else 0),
+        max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -133,6 +152,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from llmserve.router.cli import cmd_serve_replicas
 
+        if args.lora_modules or args.max_loras:
+            raise ValueError("LoRA adapters are not supported with --data-parallel-size > 1")
+
         return cmd_serve_replicas(args, add_engine_args, server_limits_from_args)
     config = engine_config_from_args(args)
     engine = AsyncLLM.from_config(config)
@@ -141,7 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.fallback_model:
             fallback = AsyncLLM.from_config(dataclasses.replace(
-                config, model=None if args.fallback_model == "default" else args.fallback_model))
+                config, model=None if args.fallback_model == "default" else args.fallback_model,
+                lora_modules=(), max_loras=0))   # adapters belong to the main model
             fallback_name = args.fallback_name or fallback.model_name
             if fallback_name in (names or [engine.model_name]):
                 fallback.shutdown()
@@ -243,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
+    from llmserve.bench.lora_step import add_lora_bench_parser
     from llmserve.bench.offline import add_offline_bench_parser
     from llmserve.bench.quant_step import add_quant_bench_parser
     from llmserve.bench.step_profile import add_step_bench_parser
@@ -255,6 +279,7 @@ def _add_optional_commands(sub) -> None:
     add_offline_bench_parser(bsub, add_engine_args, engine_config_from_args)
     add_step_bench_parser(bsub, add_engine_args, engine_config_from_args)
     add_quant_bench_parser(bsub, add_engine_args, engine_config_from_args)
+    add_lora_bench_parser(bsub, add_engine_args, engine_config_from_args)
     try:
         from llmserve.bench.cli import add_bench_subparsers, add_kv_calc_subparser
     except ImportError:  # pragma: no cover - bench tool not present

@@ -44,6 +44,9 @@ class EngineConfig:
     speculative_max_batch: int = 16        # no speculation while more sequences run
     speculative_adaptive: bool = True      # per-request k from its acceptance rate
     tensor_parallel_size: int = 1          # ranks sharing each layer (model/parallel/)
+    lora_modules: tuple = ()               # ((name, PEFT folder), ...) served at start-up
+    max_loras: int = 0                     # LoRA slots (distinct adapters per step); 0: off
+    max_lora_rank: int = 16                # largest adapter rank accepted
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -89,6 +92,13 @@ class EngineConfig:
             raise ValueError(f"draft_quantization must be one of auto, none, int8, int4; "
                              f"got {self.draft_quantization!r}")
         self.spec_decode_config()  # validates k, the n-gram range and max_batch
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1; got "
+                             f"{self.max_loras} and {self.max_lora_rank}")
+        if self.lora_modules and self.max_loras == 0:
+            raise ValueError("lora_modules need max_loras >= 1 (LoRA slots)")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1")
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
 

@@ -45,11 +45,13 @@ class LLM:
         cache_salt: Union[None, str, Sequence[Optional[str]]] = None,
         priority: Union[None, int, str, Sequence[Union[int, str, None]]] = None,
         prediction: Union[None, str, Sequence[Optional[str]]] = None,
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (strings or token-id lists); outputs keep the input order.
 
         ``prediction``: the expected output text (per prompt, or one for all), replayed as
-        speculative drafts (OpenAI Predicted Outputs; docs/SPECULATIVE.md)."""
+        speculative drafts (OpenAI Predicted Outputs; docs/SPECULATIVE.md). ``lora``: the
+        LoRA adapter name (per prompt, or one for all; None: the base model)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -58,10 +60,13 @@ class LLM:
         salts = self._per_prompt(cache_salt, n, "cache_salt")
         prios = self._per_prompt(priority, n, "priority")
         preds = self._per_prompt(prediction, n, "prediction")
+        loras = self._per_prompt(lora, n, "lora")
         # validate every prompt before any enters the engine
         prepared = [self.engine.make_requests(f"offline-{next(self._ids)}", prompt, p,
-                                              cache_salt=salt, priority=prio, prediction=pred)
-                    for prompt, p, salt, prio, pred in zip(prompts, params, salts, prios, preds)]
+                                              cache_salt=salt, priority=prio, prediction=pred,
+                                              lora=name)
+                    for prompt, p, salt, prio, pred, name in zip(prompts, params, salts, prios,
+                                                                 preds, loras)]
         for user, children in prepared:
             self.engine.add_prepared(user, children)
         return self._run([user.request_id for user, _ in prepared])

@@ -20,6 +20,7 @@ from llmserve.config import EngineConfig
 from llmserve.default_model import resolve_model_path
 from llmserve.engine.core import EngineCore, SequenceUpdate
 from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine_loras import EngineLoras
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -99,12 +100,14 @@ class LLMEngine:
             aging_rate=config.aging_rate,
             preemption_cooldown_steps=config.preemption_cooldown_steps,
             admission_watermark_blocks=max(1, self.runner.num_blocks // 100),
+            max_loras=config.max_loras,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.spec = build_speculation(config, self)
         self.core = EngineCore(self.scheduler, self.runner, OutputProcessor(self.tokenizer),
                                check_invariants=check_invariants, spec=self.spec)
         self.model_name = _model_name(self.model_path)
+        self.loras = EngineLoras(self, config)   # LoRA adapters (docs/LORA.md)
         self.runner.warmup()
         self._requests: dict[str, _UserRequest] = {}
         self._child_parent: dict[str, str] = {}
@@ -147,9 +150,12 @@ class LLMEngine:
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None, deadline: Optional[float] = None,
         queue_deadline: Optional[float] = None, prediction: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> tuple[_UserRequest, list[Request]]:
         """Validate and tokenize (thread-safe, touches no engine state). ``prediction``:
-        the expected output text, drafted from by speculative decoding."""
+        the expected output text, drafted from by speculative decoding; ``lora``: the
+        name of a loaded LoRA adapter to run under (LoraNotFound if none)."""
+        lora_ref = self.loras.resolve(lora)
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         params.check_masks(self.vocab_size, self.eos_token_ids)
@@ -175,7 +181,7 @@ class LLMEngine:
                 priority=prio, arrival_time=arrival, cache_salt=cache_salt,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 deadline=deadline, queue_deadline=queue_deadline, parent_id=request_id,
-                index=i))
+                index=i, lora=lora_ref))
         if prediction is not None:
             if not isinstance(prediction, str):
                 raise ValueError("prediction must be a string")

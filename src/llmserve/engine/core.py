@@ -50,7 +50,7 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
             probs = getattr(req.spec_state, "draft_probs", None)
             sampling.draft_probs = None if probs is None else probs[:nd]
         step.add(req.request_id, tokens, s.start, kv.blocks_of(req.request_id),
-                 1 + nd if s.samples else 0, sampling)
+                 1 + nd if s.samples else 0, sampling, req.lora)
         k = req.sampling_params.prompt_logprobs
         if k is not None and s.start + 1 < req.num_prompt_tokens:
             step.prompt_logprob_targets[req.request_id] = (

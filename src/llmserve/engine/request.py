@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Optional
 
+from llmserve.engine.lora_registry import LoraRef, lora_cache_salt
 from llmserve.protocol import RequestMetrics
 from llmserve.sampling_params import SamplingParams
 
@@ -39,7 +40,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
         "stop_reason", "block_hashes", "num_preemptions", "last_preempted_step",
         "metrics", "eos_token_ids", "max_total_tokens", "deadline", "queue_deadline",
-        "parent_id", "index", "spec_token_ids", "spec_state", "prompt_logprobs",
+        "parent_id", "index", "spec_token_ids", "spec_state", "prompt_logprobs", "lora",
     )
 
     def __init__(
@@ -58,6 +59,7 @@ class Request:
         queue_deadline: Optional[float] = None,
         parent_id: Optional[str] = None,
         index: int = 0,
+        lora: Optional[LoraRef] = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -67,7 +69,8 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        self.cache_salt = cache_salt
+        self.lora = lora                      # the LoRA adapter it runs under (None: base)
+        self.cache_salt = lora_cache_salt(cache_salt, lora)   # adapters never share KV
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.lora_registry import AdapterStepBudget
 from llmserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class SchedulerConfig:
     aging_rate: float = 0.1
     preemption_cooldown_steps: int = 4
     admission_watermark_blocks: int = 0  # free blocks kept when admitting waiting requests
+    max_loras: int = 0                   # distinct LoRA adapters per step (0: no LoRA)
 
 
 @dataclass
@@ -155,6 +157,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         prefill_cap = cfg.max_prefill_tokens_per_step or budget
         scheduled_ids: set[str] = set()
+        adapters = AdapterStepBudget(cfg.max_loras)   # the runner's LoRA slots
 
         # running requests by class; within a class decodes before unfinished prefills
         # (inter-token latency), then by arrival
@@ -166,6 +169,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if not adapters.admits(request.lora):
+                continue  # every LoRA slot is taken this step; it runs in a later one
             remaining = request.num_tokens - request.num_computed_tokens
             is_prefill = remaining > 1
             num_new = min(remaining, budget, prefill_cap if is_prefill else remaining)
@@ -197,6 +202,8 @@ class Scheduler:
             for request in self.waiting:
                 if budget <= 0 or prefill_cap <= 0 or len(self.running) >= cfg.max_num_seqs:
                     break
+                if not adapters.admits(request.lora):
+                    continue  # its adapter would need a LoRA slot this step does not have
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 remaining = request.num_tokens - num_cached

@@ -52,9 +52,11 @@ class StepInput:
     #: request id -> (top-k, target ids): score these prompt tokens (prompt_logprobs); target
     #: j is the prompt token after this step's token j, so it may cover fewer positions
     prompt_logprob_targets: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    #: per sequence: the LoRA adapter it runs under (a LoraRef; None: the base model)
+    loras: list[Optional[object]] = field(default_factory=list)
 
     def add(self, request_id: str, token_ids: Sequence[int], start: int, block_table: list[int],
-            num_samples: int, sampling: Optional[SequenceSampling]) -> None:
+            num_samples: int, sampling: Optional[SequenceSampling], lora: object = None) -> None:
         """Append one sequence; ``token_ids`` are its new tokens for this step."""
         if not token_ids:
             raise ValueError(f"sequence {request_id!r} has no new tokens")
@@ -69,6 +71,7 @@ class StepInput:
         self.block_tables.append(block_table)
         self.num_samples.append(num_samples)
         self.sampling.append(sampling)
+        self.loras.append(lora)
 
     @property
     def num_seqs(self) -> int:
@@ -97,7 +100,7 @@ class StepInput:
             rid = self.request_ids[i]
             out.add(rid, self.token_ids[offsets[i]:offsets[i + 1]],
                     self.start_positions[i], self.block_tables[i], self.num_samples[i],
-                    self.sampling[i])
+                    self.sampling[i], self.loras[i])
             if rid in self.prompt_logprob_targets:
                 out.prompt_logprob_targets[rid] = self.prompt_logprob_targets[rid]
         return out

@@ -133,9 +133,10 @@ class AdminAPI:
         out: dict[str, Any] = {}
         seen: set[int] = set()
         for name, model in self.caches.router.models.items():
-            if id(model.engine) not in seen:
-                seen.add(id(model.engine))
-                out[name] = model.engine
+            engine = getattr(model.engine, "base_engine", model.engine)   # LoRA view -> base
+            if id(engine) not in seen:
+                seen.add(id(engine))
+                out[name] = engine
         return out
 
     async def flush(self, call: HTTPCall) -> tuple[int, Any]:

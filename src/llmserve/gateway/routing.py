@@ -65,6 +65,18 @@ class ModelRouter:
                     kv_admission_for(engine, config.queue.kv_watermark, config.queue.timeout_s))
             self.models[name] = ServedModel(name, engine, *by_engine[id(engine)])
 
+    def add_alias(self, name: str, engine: Any, like: str) -> None:
+        """Serve ``name`` (a LoRA adapter on ``like``'s engine) through ``like``'s queue
+        and KV gate: they share one engine, so they share its capacity."""
+        base = self.models.get(like)
+        if base is None:
+            raise ValueError(f"model {like!r} is not served")
+        self.models[name] = ServedModel(name, engine, base.admission, base.kv)
+
+    def remove(self, name: str) -> None:
+        """Stop routing to ``name`` (an unloaded adapter); unknown names are ignored."""
+        self.models.pop(name, None)
+
     def get(self, name: Optional[str]) -> Optional[ServedModel]:
         """The served model of this name, or None."""
         return self.models.get(name or "")

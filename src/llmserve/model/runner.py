@@ -24,6 +24,7 @@ from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.loader import CheckpointSource
 from llmserve.model.logits_processors import LogitsAdjuster
+from llmserve.model.lora import LoraManager
 from llmserve.model.models.registry import build_model
 from llmserve.model.parallel.group import TensorParallelGroup
 from llmserve.model.parallel.layers import check_shardable, local_config, shard_model
@@ -73,6 +74,7 @@ class ModelRunner:
             self.model.load_weights(source.iter_weights(   # TP slices float tensors
                 raw_gguf=method.wants_raw_gguf and self.parallel is None))
         self.model.eval()
+        self.lora = self._make_lora(cfg)   # None: no adapters, the layers stay unwrapped
         self.weight_bytes = self.model.weight_bytes
         self.quantization = describe_quantization(self.model)
         logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
@@ -99,7 +101,10 @@ class ModelRunner:
         self.compiled: Optional[CompiledDecodeStep] = None
         if not eager and self.model.compile_unsupported:
             logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
-        elif not eager and self.parallel is None:   # collectives stay outside compiled graphs
+        elif not eager and self.lora is not None:
+            logger.info("LoRA: decode steps with an adapter run eagerly (base-only steps use "
+                        "the compiled graph)")
+        if not eager and not self.model.compile_unsupported and self.parallel is None:  # no TP
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
                                                self.buffers, cfg.max_num_seqs, self.device)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
@@ -107,6 +112,13 @@ class ModelRunner:
                     self.kv.pool_bytes / 2**30, str(self.kv_dtype).replace("torch.", ""),
                     self.kv.bytes_per_token, self.device, self.backend.name,
                     "compiled decode step" if self.compiled else "eager")
+
+    def _make_lora(self, cfg: EngineConfig) -> Optional[LoraManager]:
+        if cfg.max_loras <= 0:
+            return None
+        if self.parallel is not None:
+            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1")
+        return LoraManager(self.model, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -146,9 +158,12 @@ class ModelRunner:
         order = self._order(step)
         compiled = (self.compiled is not None and not self.capture_all_logits
                     and not step.prompt_logprob_targets and step.is_decode_only
-                    and self.compiled.accepts(step.num_seqs))
+                    and self.compiled.accepts(step.num_seqs)
+                    and (self.lora is None or not any(step.loras)))   # LoRA steps: eager
         pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
         staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
+        if self.lora is not None:
+            self.lora.prepare([step.loras[i] for i in order], staged.query_lens[:len(order)])
         logits_all = None
         with torch.inference_mode():
             if compiled:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.server.errors import OpenAIError, install_error_handlers
 from llmserve.server.gateway_hook import ExtraRoute, HTTPCall, RequestContext, call_hook
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
+from llmserve.server.lora_adapters import install_lora_routes
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.openapi import install_openapi
@@ -104,6 +105,7 @@ def create_app(
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
 
     install_gateway_routes(app, gateway)
+    install_lora_routes(app, serving, engine, names[0], gateway)
     register_metrics = getattr(gateway, "register_metrics", None)
     if callable(register_metrics):
         register_metrics(metrics.registry)
@@ -119,8 +121,11 @@ def create_app(
 
     def model_card(name: str) -> dict[str, Any]:
         eng = all_engines[name]
-        return {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve",
+        card = {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve",
                 "root": eng.model_name, "max_model_len": eng.max_model_len}
+        if getattr(eng, "lora_parent", None):   # a LoRA adapter (server/lora_adapters.py)
+            card["parent"] = eng.lora_parent
+        return card
 
     async def authenticate(request: Request) -> None:
         state = request.scope.get("state", {})

@@ -1,0 +1,135 @@
+"""``llmserve bench lora``: decode-step time with LoRA off, on without adapters in the
+batch, one adapter for the whole batch, and several adapters mixed -- side by side.
+
+Random PEFT adapters (``--num-adapters`` of rank ``--rank`` on all seven projections) are
+written to a temporary folder for the model under test. Four engines are built with
+otherwise identical flags; for each batch size every engine prefills the same prompts,
+then the timed decode steps are interleaved (one step of each engine in turn) so that
+background load on a shared machine hits all of them alike. Reported: median and
+10th-percentile step time and the ratio to the LoRA-off engine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable, Optional
+
+from llmserve.engine.lora_registry import SUPPORTED_TARGETS
+
+VARIANTS = ("off", "on-base", "one-adapter", "mixed")
+
+
+def write_random_adapter(folder: str, mc, rank: int, seed: int) -> str:
+    """A PEFT folder with random A/B for every projection of ``mc`` (a ModelConfig)."""
+    import torch
+    from safetensors.torch import save_file
+
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    h, inter = mc.hidden_size, mc.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(mc.num_hidden_layers):
+        for target, (fan_in, fan_out) in shapes.items():
+            group = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{group}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                   "target_modules": list(SUPPORTED_TARGETS)}, f)
+    return folder
+
+
+def _fill(engine, tag: str, batch: int, prompt_len: int, max_tokens: int,
+          loras: list[Optional[str]]) -> None:
+    from llmserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [1000 + (i * 7 + j) % 20000 for j in range(prompt_len)]
+        engine.add_request(f"{tag}-{i}", prompt, params, lora=loras[i % len(loras)])
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+
+
+def run(engines: dict, loras: dict, batch: int, prompt_len: int, steps: int) -> dict:
+    """Milliseconds of ``steps`` interleaved decode steps per variant at ``batch``."""
+    for name, engine in engines.items():
+        _fill(engine, f"bl-{batch}-{name}", batch, prompt_len, steps + 8, loras[name])
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - t) * 1000)
+    for engine in engines.values():
+        for rid in list(engine._requests):
+            engine.abort_request(rid)
+    return times
+
+
+def cmd_lora(args: argparse.Namespace, make_config: Callable) -> int:
+    from llmserve.llm_engine import LLMEngine
+
+    base = dataclasses.replace(make_config(args), lora_modules=(), max_loras=0)
+    probe = LLMEngine(dataclasses.replace(base, num_kv_blocks=16))
+    mc = probe.model_config
+    del probe
+    folder = tempfile.mkdtemp(prefix="llmserve-bench-lora-")
+    modules = tuple((f"bench{i}", write_random_adapter(os.path.join(folder, f"a{i}"), mc,
+                                                        args.rank, i))
+                    for i in range(args.num_adapters))
+    lora_cfg = dataclasses.replace(base, lora_modules=modules, max_loras=args.num_adapters,
+                                   max_lora_rank=args.rank)
+    engines = {"off": LLMEngine(base)}
+    for name in VARIANTS[1:]:
+        engines[name] = LLMEngine(lora_cfg)
+    names = [n for n, _ in modules]
+    loras = {"off": [None], "on-base": [None], "one-adapter": names[:1], "mixed": names}
+    rows = []
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        times = run(engines, loras, b, args.prompt_len, args.steps)
+        off = statistics.median(times["off"])
+        for name, ms in times.items():
+            ms.sort()
+            med = statistics.median(ms)
+            rows.append({"batch": b, "variant": name, "median_ms": med,
+                         "p10_ms": ms[len(ms) // 10], "ratio_to_off": med / off})
+    first = engines["off"]
+    print(f"model {first.model_name}  dtype {first.dtype}  weights {first.runner.quantization}"
+          f"  {args.num_adapters} adapters of rank {args.rank}  steps {args.steps} interleaved")
+    print(f"{'batch':>5} {'variant':<12} {'median ms':>10} {'p10 ms':>8} {'x off':>6}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['variant']:<12} {r['median_ms']:10.2f} {r['p10_ms']:8.2f} "
+              f"{r['ratio_to_off']:6.2f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": first.model_name, "rank": args.rank,
+                       "num_adapters": args.num_adapters, "rows": rows}, f, indent=2)
+    return 0
+
+
+def add_lora_bench_parser(bsub, add_engine_args: Callable, make_config: Callable) -> None:
+    """Register ``bench lora`` under the ``bench`` sub-parser."""
+    p = bsub.add_parser("lora", help="decode-step time with LoRA off / on / one adapter / "
+                                     "several adapters mixed, side by side in one process")
+    add_engine_args(p)
+    p.add_argument("--num-adapters", type=int, default=4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    p.set_defaults(func=lambda a: cmd_lora(a, make_config))

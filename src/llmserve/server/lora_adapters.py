@@ -1,0 +1,175 @@
+"""LoRA adapters as served model names, and the endpoints that load and unload them.
+
+    POST /v1/load_lora_adapter     {"lora_name", "lora_path"}  -> 200 {adapter}
+    POST /v1/unload_lora_adapter   {"lora_name"}               -> 200 | 404 | 409 (in use)
+
+An adapter is served under its own name: ``{"model": "<lora_name>"}`` runs the base engine
+with that adapter. The server keeps a :class:`LoraModelView` per adapter in its served
+models (and in the gateway's router, sharing the base model's queue and KV gate), so
+everything keyed by the served name -- tenants' ``models`` allow-lists, the response's
+``model``, ``/v1/models`` (with ``parent``) -- treats it as a model. The view's
+fingerprint covers the adapter's content hash.
+
+With a gateway the two endpoints need an admin key (``admin.keys``); without one they
+are open, like the rest of the bare server. Unloading an adapter that queued or running
+requests still use answers 409 ``lora_in_use`` (retry once they finished). No torch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from llmserve.engine.lora_registry import LoraError, LoraInUse, LoraNotFound
+from llmserve.server.errors import OpenAIError
+from llmserve.server.gateway_hook import HTTPCall
+
+logger = logging.getLogger(__name__)
+
+
+class LoraModelView:
+    """The base engine seen through one adapter: ``generate`` runs under ``lora_name``."""
+
+    def __init__(self, base: Any, parent: str, info: dict[str, Any]) -> None:
+        self._base = base
+        self.base_engine = base   # the engine that runs it (admin operations dedupe on it)
+        self.lora_name: str = info["name"]
+        self.lora_parent = parent
+        self.lora_info = info
+        self.fingerprint: str = info["system_fingerprint"]
+        self.model_name = base.model_name
+
+    def __getattr__(self, name: str) -> Any:   # tokenizer, max_model_len, abort, stats ...
+        return getattr(self._base, name)
+
+    def generate(self, prompt: Any, params: Any, request_id: str, *, priority: Any = None,
+                 cache_salt: Optional[str] = None, deadline: Optional[float] = None,
+                 queue_deadline: Optional[float] = None,
+                 prediction: Optional[str] = None) -> AsyncIterator[Any]:
+        """The base engine's ``generate`` under this adapter."""
+        return self._base.generate(prompt, params, request_id, priority=priority,
+                                   cache_salt=cache_salt, deadline=deadline,
+                                   queue_deadline=queue_deadline, prediction=prediction,
+                                   lora=self.lora_name)
+
+
+class LoraAdapters:
+    """Keeps the served model names in step with the engine's loaded adapters."""
+
+    def __init__(self, serving: Any, engine: Any, parent: str, gateway: Any = None) -> None:
+        self.serving = serving
+        self.engine = engine
+        self.parent = parent
+        self.gateway = gateway
+        for info in engine.lora_adapters():   # --lora-modules, loaded at start-up
+            self._serve(info)
+
+    @staticmethod
+    def supported(engine: Any) -> bool:
+        """Engines that can load adapters (an engine without ``--max-loras`` answers the
+        load endpoint with a 400 that says how to enable LoRA)."""
+        return callable(getattr(engine, "load_lora_adapter", None))
+
+    def _serve(self, info: dict[str, Any]) -> None:
+        view = LoraModelView(self.engine, self.parent, info)
+        self.serving.engines[view.lora_name] = view
+        self.serving.served_model_names.append(view.lora_name)
+        router = getattr(self.gateway, "router", None)
+        if router is not None:
+            router.add_alias(view.lora_name, view, self.parent)
+
+    def _unserve(self, name: str) -> None:
+        self.serving.engines.pop(name, None)
+        if name in self.serving.served_model_names:
+            self.serving.served_model_names.remove(name)
+        router = getattr(self.gateway, "router", None)
+        if router is not None:
+            router.remove(name)
+
+    # ---- endpoints ------------------------------------------------------------------
+    def _require_admin(self, call: HTTPCall) -> None:
+        admin = getattr(self.gateway, "admin", None)
+        if self.gateway is None:
+            return
+        if admin is not None and admin.is_admin(call):
+            return
+        if not call.headers.get("authorization"):
+            raise OpenAIError(401, "Missing API key; send 'Authorization: Bearer <admin key>'",
+                              code="missing_api_key")
+        raise OpenAIError(403, "loading and unloading LoRA adapters needs an admin key "
+                          "(`admin.keys` in the gateway config)",
+                          code="admin_key_required")
+
+    @staticmethod
+    def _body(call: HTTPCall, fields: tuple[str, ...]) -> list[str]:
+        try:
+            body = json.loads(call.body or b"{}")
+        except ValueError as exc:
+            raise OpenAIError(400, f"the body is not valid JSON: {exc}",
+                              code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "expected a JSON object")
+        values = []
+        for field in fields:
+            value = body.get(field)
+            if not isinstance(value, str) or not value:
+                raise OpenAIError(400, f"{field} must be a non-empty string", param=field)
+            values.append(value)
+        return values
+
+    async def load(self, call: HTTPCall) -> tuple[int, Any]:
+        self._require_admin(call)
+        name, path = self._body(call, ("lora_name", "lora_path"))
+        if name in self.serving.engines:
+            raise OpenAIError(400, f"the model name {name!r} is already served",
+                              param="lora_name", code="lora_name_taken")
+        try:
+            info = await self.engine.load_lora_adapter(name, path)
+        except LoraNotFound as exc:
+            raise OpenAIError(404, str(exc), param="lora_path", code="lora_not_found") from None
+        except LoraError as exc:
+            raise OpenAIError(400, str(exc), param="lora_path", code="invalid_lora") from None
+        self._serve(info)
+        logger.info("LoRA adapter %s served (parent %s)", name, self.parent)
+        return 200, {"object": "lora_adapter", "loaded": True, **info}
+
+    async def unload(self, call: HTTPCall) -> tuple[int, Any]:
+        self._require_admin(call)
+        (name,) = self._body(call, ("lora_name",))
+        if not isinstance(self.serving.engines.get(name), LoraModelView):
+            raise OpenAIError(404, f"no LoRA adapter named {name!r} is loaded",
+                              param="lora_name", code="lora_not_found")
+        try:
+            await self.engine.unload_lora_adapter(name)
+        except LoraInUse as exc:
+            raise OpenAIError(409, str(exc), param="lora_name", code="lora_in_use") from None
+        except LoraNotFound as exc:
+            raise OpenAIError(404, str(exc), param="lora_name", code="lora_not_found") from None
+        self._unserve(name)
+        return 200, {"object": "lora_adapter", "name": name, "unloaded": True}
+
+
+def install_lora_routes(app: Any, serving: Any, engine: Any, parent: str,
+                        gateway: Any = None) -> Optional[LoraAdapters]:
+    """Serve ``engine``'s adapters and the load/unload endpoints (None: no LoRA)."""
+    if not LoraAdapters.supported(engine):
+        return None
+    adapters = LoraAdapters(serving, engine, parent, gateway)
+
+    def endpoint(handler: Any) -> Any:
+        async def run(request: Request) -> Any:
+            call = HTTPCall(method=request.method, path=request.url.path,
+                            headers={k.lower(): v for k, v in request.headers.items()},
+                            path_params={}, query={}, body=await request.body())
+            status, body = await handler(call)
+            return JSONResponse(body, status_code=status)
+        return run
+
+    app.add_api_route("/v1/load_lora_adapter", endpoint(adapters.load), methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route("/v1/unload_lora_adapter", endpoint(adapters.unload), methods=["POST"],
+                      include_in_schema=False)
+    return adapters

@@ -1,0 +1,161 @@
+"""LoRA adapters over HTTP with the official openai client: served names, /v1/models,
+load / unload (admin key under a gateway), tenants' allow-lists and clear errors."""
+from __future__ import annotations
+
+import shutil
+import uuid
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from llmserve.gateway import hash_api_key
+from tests.gateway.gateway_server_helpers import write_config
+from tests.server.server_helpers import assert_openai_error
+
+pytest.importorskip("peft")
+
+KEYS = {name: f"sk-{name}-" + uuid.uuid4().hex for name in ("alpha", "beta")}
+ADMIN = "sk-admin-" + uuid.uuid4().hex
+PROMPT = [5, 17, 300, 42, 9, 1000, 77]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.model.lora_helpers import make_adapter_set
+
+    root = tmp_path_factory.mktemp("srv_lora")
+    base, a, b = make_adapter_set(str(root))
+    dora = str(root / "dora")
+    shutil.copytree(b, dora)
+    from tests.model.lora_helpers import edit_config
+    edit_config(dora, use_dora=True)
+    return base, a, b, dora
+
+
+@pytest.fixture(scope="module")
+def engine(tiny) -> Iterator[Any]:
+    from llmserve.async_llm import AsyncLLM
+    from llmserve.config import EngineConfig
+
+    config = EngineConfig(model=tiny[0], dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+                          max_loras=2, lora_modules=(("a", tiny[1]),))
+    eng = AsyncLLM.from_config(config)
+    yield eng
+    eng.shutdown()
+
+
+def complete(client: openai.OpenAI, model: str, **kw: Any) -> Any:
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     **kw)
+
+
+def test_adapters_are_served_model_names(engine, tiny, start_server):
+    live = start_server(engine, served_model_names=["base"])
+    client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"base", "a"}
+    assert getattr(cards["a"], "parent") == "base" and cards["a"].root == cards["base"].root
+    base_out, a_out = complete(client, "base"), complete(client, "a")
+    assert a_out.model == "a" and base_out.model == "base"
+    assert a_out.system_fingerprint != base_out.system_fingerprint
+    assert a_out.choices[0].text != base_out.choices[0].text
+    # load b at run time, use it, unload it
+    r = httpx.post(live.url("/v1/load_lora_adapter"), json={"lora_name": "b",
+                                                             "lora_path": tiny[2]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["content_hash"] and r.json()["rank"] == 8
+    assert "b" in {m.id for m in client.models.list().data}
+    assert complete(client, "b").model == "b"
+    r = httpx.post(live.url("/v1/unload_lora_adapter"), json={"lora_name": "b"}, timeout=60)
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "b")
+    assert "b" not in {m.id for m in client.models.list().data}
+
+
+def test_bad_requests_get_openai_errors(engine, tiny, start_server):
+    live = start_server(engine, served_model_names=["base"])
+    client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "no-such-model")
+
+    def load(body: dict) -> httpx.Response:
+        return httpx.post(live.url("/v1/load_lora_adapter"), json=body, timeout=60)
+
+    assert_openai_error(load({"lora_name": "x", "lora_path": tiny[0] + "/nowhere"}), 404,
+                        param="lora_path", code="lora_not_found")
+    err = assert_openai_error(load({"lora_name": "x", "lora_path": tiny[0]}), 404,
+                              code="lora_not_found")
+    assert "adapter_config.json" in err["message"]
+    err = assert_openai_error(load({"lora_name": "x", "lora_path": tiny[3]}), 400,
+                              code="invalid_lora")
+    assert "DoRA" in err["message"]
+    assert_openai_error(load({"lora_name": "x"}), 400, param="lora_path")
+    assert_openai_error(load({"lora_name": "a", "lora_path": tiny[1]}), 400,
+                        code="lora_name_taken")
+    assert_openai_error(httpx.post(live.url("/v1/unload_lora_adapter"),
+                                   json={"lora_name": "base"}, timeout=60), 404,
+                        code="lora_not_found")
+
+
+def test_unloading_an_adapter_in_use_is_refused(engine, tiny, start_server):
+    live = start_server(engine, served_model_names=["base"])
+    client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+    stream = client.completions.create(model="a", prompt=PROMPT, max_tokens=400,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))   # the request is running under "a"
+    r = httpx.post(live.url("/v1/unload_lora_adapter"), json={"lora_name": "a"}, timeout=60)
+    stream.close()
+    assert_openai_error(r, 409, code="lora_in_use")
+    assert complete(client, "a").model == "a"
+
+
+def test_gateway_admin_key_and_tenant_allow_lists(engine, tiny, start_server, tmp_path):
+    from llmserve.gateway.build import build_gateway
+
+    config = write_config(tmp_path, {"alpha": {"models": ["base", "a", "alpha-*"]},
+                                     "beta": {"models": ["base"]}}, KEYS,
+                          admin={"keys": [hash_api_key(ADMIN)]})
+    gateway = build_gateway(str(config), engine, served_model_names=["base"])
+    live = start_server(engine, served_model_names=["base"], gateway=gateway)
+    alpha = openai.OpenAI(base_url=live.url("/v1"), api_key=KEYS["alpha"], max_retries=0)
+    beta = openai.OpenAI(base_url=live.url("/v1"), api_key=KEYS["beta"], max_retries=0)
+    assert complete(alpha, "a").model == "a"
+    with pytest.raises(openai.PermissionDeniedError):
+        complete(beta, "a")
+    body = {"lora_name": "alpha-b", "lora_path": tiny[2]}
+    url = live.url("/v1/load_lora_adapter")
+    assert_openai_error(httpx.post(url, json=body, timeout=60), 401)
+    assert_openai_error(httpx.post(url, json=body, timeout=60,
+                                   headers={"Authorization": f"Bearer {KEYS['alpha']}"}),
+                        403, code="admin_key_required")
+    r = httpx.post(url, json=body, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    assert complete(alpha, "alpha-b").model == "alpha-b"
+    with pytest.raises(openai.PermissionDeniedError):
+        complete(beta, "alpha-b")
+    r = httpx.post(live.url("/v1/unload_lora_adapter"), json={"lora_name": "alpha-b"},
+                   timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        complete(alpha, "alpha-b")
+
+
+def test_an_engine_without_lora_says_how_to_enable_it(tiny, start_server):
+    from llmserve.async_llm import AsyncLLM
+    from llmserve.config import EngineConfig
+
+    plain = AsyncLLM.from_config(EngineConfig(model=tiny[0], dtype="float32", num_kv_blocks=16))
+    try:
+        live = start_server(plain, served_model_names=["base"])
+        r = httpx.post(live.url("/v1/load_lora_adapter"),
+                       json={"lora_name": "a", "lora_path": tiny[1]}, timeout=60)
+        err = assert_openai_error(r, 400, code="invalid_lora")
+        assert "--max-loras" in err["message"]
+        client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["base"]
+    finally:
+        plain.shutdown()
