@@ -136,6 +136,11 @@ class Scheduler:
         recomputed (like a preemption, without counting as one)."""
         if request.status is not RequestStatus.RUNNING:
             return
+        self._send_back(request)
+
+    def _send_back(self, request: Request) -> None:
+        """Free a running request's KV and queue it to be recomputed from its first token
+        (its old arrival time puts it first in its class)."""
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -247,14 +252,10 @@ class Scheduler:
         return max(pool, key=lambda r: self._key(r, now))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        self._send_back(request)
         request.num_preemptions += 1
         request.last_preempted_step = self.step_index
         self.num_preemptions += 1
-        self.waiting.append(request)  # its old arrival time puts it first in its class
         out.preempted.append(request)
         logger.debug("preempted %s", request.request_id)
 
