@@ -103,12 +103,17 @@ class EngineCore:
             self.scheduler.abort_request(request_id)
         else:
             self.scheduler.finish_request(request, reason)
+        delta = self.outputs.finish_early(request, reason)
+        self._forget(request_id)
+        return SequenceUpdate(request, delta)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what the runner, the speculative decoder and the output processor hold for
+        a sequence the scheduler has ended."""
         self.runner.release(request_id)
         if self.spec is not None:
             self.spec.release(request_id)
-        delta = self.outputs.finish_early(request, reason)
         self.outputs.release(request_id)
-        return SequenceUpdate(request, delta)
 
     def expire_deadlines(self, now: float) -> list[SequenceUpdate]:
         """End requests past their deadline ("timeout") or still queued past their queue
@@ -185,10 +190,7 @@ class EngineCore:
                     delta.accepted_prediction_tokens = req.spec_state.accepted_prediction
                     delta.rejected_prediction_tokens = req.spec_state.rejected_prediction
                 self.scheduler.finish_request(req, finish, stop_reason)
-                self.runner.release(req.request_id)
-                if self.spec is not None:
-                    self.spec.release(req.request_id)
-                self.outputs.release(req.request_id)
+                self._forget(req.request_id)
                 break
         return None if delta is None else SequenceUpdate(req, delta)
 
