@@ -39,7 +39,7 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
     for s in sched.scheduled:
         req = s.request
         nd = s.num_draft_tokens
-        end = s.start + s.num_new_tokens - nd
+        end = s.committed_end
         tokens = req.all_token_ids[s.start:end]
         sampling = None
         if s.samples:

@@ -46,9 +46,14 @@ class ScheduledRequest:
     num_draft_tokens: int = 0  # speculative drafts at the end of the new tokens (verified)
 
     @property
+    def committed_end(self) -> int:
+        """Position after the last committed (non-draft) token this step computes."""
+        return self.start + self.num_new_tokens - self.num_draft_tokens
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's tokens (a token is sampled)."""
-        return self.start + self.num_new_tokens - self.num_draft_tokens == self.request.num_tokens
+        return self.committed_end == self.request.num_tokens
 
 
 @dataclass
@@ -264,4 +269,4 @@ class Scheduler:
         only once accepted: the engine core adds them after verification)."""
         for s in out.scheduled:
             if s.request.status is RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.start + s.num_new_tokens - s.num_draft_tokens
+                s.request.num_computed_tokens = s.committed_end
