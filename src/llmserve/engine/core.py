@@ -207,7 +207,7 @@ class EngineCore:
             tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
                       for s in sched.scheduled}
             return execute_isolated(
-                lambda sub, _tables: self.runner.execute(build_step_input(sub, self.kv)),
+                lambda sub: self.runner.execute(build_step_input(sub, self.kv)),
                 sched, tables, exc, self.kv.block_size)
 
     def _settle_failures(self, failures: StepFailures) -> list[SequenceUpdate]:
