@@ -25,7 +25,7 @@ from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.protocol import (CompletionOutput, EngineStats, RequestOutput, TokenLogprob,
-                               TopLogprob, priority_value)
+                               priority_value)
 from llmserve.sampling_params import SamplingParams
 from llmserve.speculation import build_speculation
 from llmserve.structured_output.compiler import GrammarCompiler
@@ -265,11 +265,10 @@ class LLMEngine:
 
     def _prompt_logprobs(self, request: Request) -> list[Optional[TokenLogprob]]:
         """TokenLogprob of every prompt token but the first (None) from the step results."""
-        text = self.core.outputs.token_text
+        entry = self.core.outputs.token_logprob
         out: list[Optional[TokenLogprob]] = [None]
         for token, (lp, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
-            out.append(TokenLogprob(token, text(token), lp,
-                                    [TopLogprob(t, text(t), v) for t, v in top]))
+            out.append(entry(token, lp, top))
         return out
 
     # ---- introspection -----------------------------------------------------------------

@@ -289,3 +289,41 @@ def test_busy_cpu_warning_suggests_fewer_peer_threads():
     warning = peers.busy_cpu_warning(cores=2, load=1.2)
     assert "--peer-threads 1" in warning and "1.2 on 2 cores" in warning
     assert "--peer-threads 12" in peers.busy_cpu_warning(cores=16, load=4.0)
+
+
+_SMOKE_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+TOKENS = int(sys.argv[2])
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def _reply(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._reply({"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(sys.argv[3], "w") as out:
+            json.dump(body, out)
+        self._reply({"usage": {"completion_tokens": TOKENS}})
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("tokens, problem", [(8, None), (7, "asked for 8 tokens, got 7")])
+def test_peer_smoke_completion_checks_the_token_count(tmp_path, tokens, problem):
+    from llmserve.bench.compare import ServerSpec, smoke_completion
+
+    script, seen = tmp_path / "server.py", tmp_path / "body.json"
+    script.write_text(_SMOKE_SERVER)
+    spec = ServerSpec("smoke", [sys.executable, str(script), "{port}", str(tokens), str(seen)],
+                      ready_paths=("/health",), ready_timeout_s=30)
+    assert smoke_completion(spec, tmp_path / "smoke.log", 30, model="m") == problem
+    body = json.loads(seen.read_text())
+    assert body["model"] == "m" and body["max_tokens"] == 8 and body["temperature"] == 0

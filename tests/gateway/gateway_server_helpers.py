@@ -20,13 +20,24 @@ import yaml
 from llmserve.gateway import hash_api_key
 from tests.server.server_helpers import metric_value, wait_until
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+ROOT = Path(__file__).resolve().parents[2]
+SRC = str(ROOT / "src")
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def build_tiny_model(folder: Path, max_position_embeddings: int) -> str:
+    """A tiny random Llama checkpoint with the default tokenizer in ``folder``, built in a
+    subprocess (so the test process never loads torch for it); returns its path."""
+    code = ("import sys; from tests.model.tiny_checkpoints import make_tiny_checkpoint; "
+            "make_tiny_checkpoint(sys.argv[1], max_position_embeddings=int(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", code, str(folder), str(max_position_embeddings)],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True)
+    return str(folder)
 
 
 def write_config(folder: Path, tenants: dict[str, dict[str, Any]], keys: dict[str, str],
@@ -44,8 +55,10 @@ class ServerProcess:
     """`python -m llmserve.cli serve --config CFG ...` as a child process (no gateway
     when ``config`` is None)."""
 
-    def __init__(self, config: Optional[Path], serve_args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, config: Optional[Path], serve_args: Sequence[str], log_path: Path,
+                 log_level: str = "INFO") -> None:
         self.config = config
+        self.log_level = log_level
         self.serve_args = list(serve_args)
         self.log_path = log_path
         self.proc: Optional[subprocess.Popen] = None
@@ -61,7 +74,7 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> "ServerProcess":
         self.port = free_port()
         config = ["--config", str(self.config)] if self.config is not None else []
-        cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "INFO", "serve",
+        cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", self.log_level, "serve",
                *config, "--port", str(self.port), *self.serve_args]
         env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
         log = open(self.log_path, "ab")

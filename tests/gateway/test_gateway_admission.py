@@ -1,13 +1,12 @@
 """Admission: context and KV-pool checks (400), the bounded queue (503), Retry-After."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from llmserve.gateway.admission import AdmissionController, kv_tokens_needed, parse_request_timeout
 from llmserve.gateway.config import QueueConfig
 from llmserve.gateway.errors import ContextLengthExceeded, InvalidRequest, OverloadedError
+from tests.gateway.race import run_racing
 
 
 def controller(clock, max_requests=4, max_tokens=1000, timeout_s=30.0, pool=4096, max_len=2048, block=16):
@@ -124,20 +123,14 @@ def test_from_config(clock):
 def test_concurrent_entries_respect_the_count_bound(clock):
     adm = controller(clock, max_requests=5, max_tokens=10**6)
     admitted, rejected = [], []
-    barrier = threading.Barrier(12)
 
-    def worker():
-        barrier.wait()
+    def worker(_: int) -> None:
         try:
             admitted.append(adm.enter_queue(10))
         except OverloadedError:
             rejected.append(1)
 
-    threads = [threading.Thread(target=worker) for _ in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_racing(12, worker)
     assert len(admitted) == 5 and len(rejected) == 7
     assert adm.stats().queued_tokens == 50
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,12 +22,12 @@ from typing import Any, Iterator, Optional
 import httpx
 import pytest
 
-from tests.gateway.gateway_server_helpers import ServerProcess, auth, ledger_rows, write_config
+from tests.gateway.gateway_server_helpers import (ServerProcess, auth, build_tiny_model,
+                                                  ledger_rows, write_config)
 from tests.server.server_helpers import assert_openai_error, wait_until
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"alpha": "sk-alpha-" + uuid.uuid4().hex, "beta": "sk-beta-" + uuid.uuid4().hex,
         "tiny": "sk-tiny-" + uuid.uuid4().hex}
 TENANTS = {"alpha": {}, "beta": {}, "tiny": {"requests_per_minute": 1, "request_burst": 1}}
@@ -39,12 +37,7 @@ COMPLETIONS = "/v1/completions"
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama checkpoint with the default tokenizer (built in a subprocess)."""
-    folder = str(tmp_path_factory.mktemp("tiny-llama"))
-    code = ("import sys; from tests.model.tiny_checkpoints import make_tiny_checkpoint; "
-            "make_tiny_checkpoint(sys.argv[1], max_position_embeddings=2048)")
-    subprocess.run([sys.executable, "-c", code, folder], check=True, cwd=ROOT, timeout=300,
-                   capture_output=True)
-    return folder
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), 2048)
 
 
 def start(folder: Path, model: str, *args: str, **config: Any) -> ServerProcess:

@@ -13,6 +13,7 @@ from llmserve.gateway.idempotency import (
     hash_request_body,
     validate_idempotency_key,
 )
+from tests.gateway.race import run_racing
 
 BODY = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 H = hash_request_body(BODY, "/v1/chat/completions")
@@ -152,10 +153,8 @@ def test_threads_racing_begin_get_exactly_one_new(db_path):
     stores = [IdempotencyStore(db_path) for _ in range(2)]  # two "processes" on one file
     outcomes: list[str] = []
     lock = threading.Lock()
-    barrier = threading.Barrier(16)
 
     def worker(i: int):
-        barrier.wait()
         try:
             result = stores[i % 2].begin("acme", "race", H, request_id=f"req-{i}")
             tag = result.outcome.value
@@ -164,11 +163,7 @@ def test_threads_racing_begin_get_exactly_one_new(db_path):
         with lock:
             outcomes.append(tag)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_racing(16, worker)
     assert sorted(outcomes) == ["409"] * 15 + ["new"]
     for s in stores:
         s.close()

@@ -11,6 +11,7 @@ import pytest
 
 from llmserve.gateway.idempotency import IdempotencyStore, hash_request_body
 from llmserve.gateway.ledger import CSV_COLUMNS, BillingLedger, UsageRecord, parse_since
+from tests.gateway.race import run_racing
 
 MAY_1 = dt.datetime(2024, 5, 1, tzinfo=dt.timezone.utc).timestamp()
 DAY = 86400.0
@@ -61,20 +62,14 @@ def test_concurrent_inserts_write_each_record_once(db_path):
     ledgers = [BillingLedger(db_path) for _ in range(2)]
     inserted: list[str] = []
     lock = threading.Lock()
-    barrier = threading.Barrier(8)
 
     def worker(i: int):
-        barrier.wait()
         for n in range(25):
             if ledgers[i % 2].record(usage(f"req-{n}", key=f"key-{n}")):
                 with lock:
                     inserted.append(f"req-{n}")
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_racing(8, worker)
     assert sorted(inserted) == sorted(f"req-{n}" for n in range(25))
     assert ledgers[0].count() == 25
     for led in ledgers:

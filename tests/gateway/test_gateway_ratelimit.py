@@ -1,13 +1,12 @@
 """Per-tenant token buckets, driven by a fake clock."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from llmserve.gateway.config import TenantConfig
 from llmserve.gateway.errors import InvalidRequest, RateLimitError
 from llmserve.gateway.ratelimit import TenantRateLimiter
+from tests.gateway.race import run_racing
 
 
 def tenant(name="acme", rpm=None, tpm=None, concurrent=None) -> TenantConfig:
@@ -115,20 +114,14 @@ def test_concurrent_reservations_never_exceed_capacity(clock):
     limiter = TenantRateLimiter(clock)
     acme = tenant(rpm=50, tpm=10_000)
     granted, denied = [], []
-    barrier = threading.Barrier(8)
 
-    def worker():
-        barrier.wait()
+    def worker(_: int) -> None:
         for _ in range(20):
             try:
                 granted.append(limiter.reserve(acme, 100))
             except RateLimitError:
                 denied.append(1)
 
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_racing(8, worker)
     assert len(granted) == 50 and len(denied) == 160 - 50
     assert limiter.remaining(acme) == (0, 10_000 - 50 * 100)

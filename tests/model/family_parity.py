@@ -7,9 +7,14 @@ a batch of different lengths against each prompt alone, greedy tokens against
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Callable
+
 import torch
 
 from llmserve import LLM, SamplingParams
+
+from .tiny_checkpoints import make_tiny_checkpoint
 
 ATOL, RTOL = 2e-4, 1e-4
 
@@ -105,3 +110,12 @@ def load_hf(path: str):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.eval()
     return hf
+
+
+def gguf_case(folder: Path, arch: str, overrides: dict, convert: Callable[[str, str], str],
+              seed: int, **checkpoint_kw) -> tuple[str, Any, str]:
+    """``(gguf path, transformers model, arch)``: a tiny ``arch`` checkpoint (4 heads, 2 KV
+    heads, config ``overrides``) in ``folder``, converted to GGUF by ``convert(hf, out)``."""
+    path = make_tiny_checkpoint(str(folder / "hf"), arch=arch, num_heads=4, num_kv_heads=2,
+                                seed=seed, config_overrides=overrides, **checkpoint_kw)
+    return convert(path, str(folder / "model.gguf")), load_hf(path), arch

@@ -7,9 +7,8 @@ import pytest
 
 from llmserve.model.loader import load_model_config
 
-from .family_parity import check_greedy, check_prefill, load_hf
+from .family_parity import check_greedy, check_prefill, gguf_case
 from .test_parity_phi3 import LONGROPE, ORIGINAL
-from .tiny_checkpoints import make_tiny_checkpoint
 from .tiny_gguf_families import make_tiny_dense_gguf
 
 pytest.importorskip("transformers")
@@ -33,10 +32,8 @@ CASES = [pytest.param(("gemma2", GEMMA2), id="gemma2"),
 @pytest.fixture(scope="module", params=CASES)
 def dense_gguf(request, tmp_path_factory):
     arch, overrides = request.param
-    folder = tmp_path_factory.mktemp(arch)
-    path = make_tiny_checkpoint(str(folder / "hf"), arch=arch, num_heads=4, num_kv_heads=2,
-                                seed=23, tie=arch != "phi3", config_overrides=overrides)
-    return make_tiny_dense_gguf(path, str(folder / "model.gguf")), load_hf(path), arch
+    return gguf_case(tmp_path_factory.mktemp(arch), arch, overrides, make_tiny_dense_gguf,
+                     seed=23, tie=arch != "phi3")
 
 
 def test_config_from_gguf(dense_gguf):

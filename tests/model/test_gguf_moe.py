@@ -10,7 +10,7 @@ import pytest
 
 from llmserve.model.loader import load_model_config, open_checkpoint
 
-from .family_parity import check_greedy, check_prefill, load_hf
+from .family_parity import check_greedy, check_prefill, gguf_case
 from .test_parity_moe import MIXTRAL, QWEN3_MOE
 from .tiny_checkpoints import make_tiny_checkpoint
 from .tiny_gguf_families import make_tiny_moe_gguf
@@ -28,10 +28,7 @@ CASES = [pytest.param(("mixtral", MIXTRAL), id="mixtral"),
 @pytest.fixture(scope="module", params=CASES)
 def moe_gguf(request, tmp_path_factory):
     arch, overrides = request.param
-    folder = tmp_path_factory.mktemp(arch)
-    path = make_tiny_checkpoint(str(folder / "hf"), arch=arch, num_heads=4, num_kv_heads=2,
-                                seed=17, config_overrides=overrides)
-    return make_tiny_moe_gguf(path, str(folder / "model.gguf")), load_hf(path), arch
+    return gguf_case(tmp_path_factory.mktemp(arch), arch, overrides, make_tiny_moe_gguf, seed=17)
 
 
 def test_config_from_gguf(moe_gguf):

@@ -13,9 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -30,6 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from tests.gateway.gateway_server_helpers import ServerProcess  # noqa: E402
 from tests.server.server_helpers import metric_value, parse_sse  # noqa: E402
 
 ENDPOINTS = {"/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion",
@@ -39,12 +37,6 @@ EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "100"))   # per test
 TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(base url, served model name) of a real server process on a tiny random model."""
@@ -52,33 +44,13 @@ def served(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fuzz")
     path = make_tiny_checkpoint(str(root / "tiny"), arch="llama", seed=1)
-    port = _free_port()
-    log = open(root / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "--log-level", "WARNING", "serve",
-         "--model", path, "--port", str(port), "--num-kv-blocks", "1024", "--block-size", "16",
-         "--max-model-len", "512", "--num-threads", "1", "--served-model-name", "tiny"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"server did not start: {log.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    yield url, "tiny", proc, root / "server.log"
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    server = ServerProcess(None, [
+        "--model", path, "--num-kv-blocks", "1024", "--block-size", "16", "--max-model-len",
+        "512", "--num-threads", "1", "--served-model-name", "tiny"], root / "server.log",
+        log_level="WARNING")
+    server.start()
+    yield server.base_url, "tiny", server.proc, server.log_path
+    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,57 +1,25 @@
 """`llmserve serve` as a real server process (the default model), driven like a user would."""
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from tests.gateway.gateway_server_helpers import ServerProcess
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("srv") / "server.log", "w+")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(port),
-         "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "2",
-         "--dtype", "float32"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited: {log.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not become ready")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    server = ServerProcess(None, ["--num-kv-blocks", "256", "--max-model-len", "2048",
+                                  "--num-threads", "2", "--dtype", "float32"],
+                           tmp_path_factory.mktemp("srv") / "server.log")
+    yield server.start().base_url
+    server.stop()
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -3,8 +3,6 @@ plain `llmserve serve` process, one with a gateway config (a tenant key and an a
 one headless Chromium, and a folder for screenshots."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -12,10 +10,9 @@ from typing import Any, Iterator
 import pytest
 
 from llmserve.gateway import hash_api_key
-from tests.gateway.gateway_server_helpers import ServerProcess, write_config
+from tests.gateway.gateway_server_helpers import ServerProcess, build_tiny_model, write_config
 from tests.web.browser import start_browser
 
-ROOT = Path(__file__).resolve().parents[2]
 TENANT_KEY = "sk-web-" + uuid.uuid4().hex
 ADMIN_KEY = "sk-admin-" + uuid.uuid4().hex
 #: Engine flags of both servers: a KV pool big enough for one long answer, room for
@@ -27,12 +24,7 @@ SERVE_ARGS = ("--num-threads", "1", "--num-kv-blocks", "320", "--max-model-len",
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama checkpoint with the default tokenizer (built in a subprocess)."""
-    folder = str(tmp_path_factory.mktemp("web-tiny-llama"))
-    code = ("import sys; from tests.model.tiny_checkpoints import make_tiny_checkpoint; "
-            "make_tiny_checkpoint(sys.argv[1], max_position_embeddings=4096)")
-    subprocess.run([sys.executable, "-c", code, folder], check=True, cwd=ROOT, timeout=300,
-                   capture_output=True)
-    return folder
+    return build_tiny_model(tmp_path_factory.mktemp("web-tiny-llama"), 4096)
 
 
 @pytest.fixture(scope="session")

@@ -127,30 +127,12 @@ def smoke_test(binary: Path, gguf: str, log_path: Path,
                timeout_s: float = 180.0) -> Optional[str]:
     """Start ``binary`` on ``gguf`` (its output to ``log_path``) and ask for 8 tokens;
     None if fine, else what went wrong."""
-    import httpx
-
-    from llmserve.bench.compare import ServerProcess, ServerSpec
+    from llmserve.bench.compare import ServerSpec, smoke_completion
 
     settings = PeerSettings(parallel=2)
     spec = ServerSpec("llama-server-smoke", llama_server_command(str(binary), gguf, settings),
                       ready_paths=("/health",), ready_timeout_s=timeout_s)
-    proc = ServerProcess(spec, log_path)
-    try:
-        with proc:
-            body = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True,
-                    "temperature": 0}
-            reply = httpx.post(proc.url + "/v1/completions", json=body, timeout=timeout_s,
-                               trust_env=False)
-            if reply.status_code != 200:
-                return f"HTTP {reply.status_code}: {reply.text[:200]}"
-            tokens = reply.json().get("usage", {}).get("completion_tokens")
-            if tokens != 8:
-                return f"asked for 8 tokens, got {tokens}"
-            if proc.proc is not None and proc.proc.poll() is not None:
-                return f"exited with code {proc.proc.returncode}"
-    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return smoke_completion(spec, log_path, timeout_s)
 
 
 def build(gguf: str, jobs: int = 2, variants: Sequence[str] = ("native", "portable"),

@@ -145,6 +145,32 @@ class ServerProcess:
         self.stop()
 
 
+def smoke_completion(spec: ServerSpec, log_path: Path, timeout_s: float,
+                     model: Optional[str] = None) -> Optional[str]:
+    """Start the server of ``spec`` (its output to ``log_path``), ask for 8 greedy tokens,
+    and stop it; None if it answered with 8 tokens and is still running, else the problem.
+    ``model``: the request's ``model`` field, for servers that check it."""
+    body: dict = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True,
+                  "temperature": 0}
+    if model is not None:
+        body["model"] = model
+    proc = ServerProcess(spec, log_path)
+    try:
+        with proc:
+            reply = httpx.post(proc.url + "/v1/completions", json=body, timeout=timeout_s,
+                               trust_env=False)
+            if reply.status_code != 200:
+                return f"HTTP {reply.status_code}: {reply.text[:300]}"
+            tokens = reply.json().get("usage", {}).get("completion_tokens")
+            if tokens != 8:
+                return f"asked for 8 tokens, got {tokens}"
+            if proc.proc is not None and proc.proc.poll() is not None:
+                return f"exited with code {proc.proc.returncode}"
+    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def detect_static_batching_args(help_text: str) -> Optional[list[str]]:
     """The serve flag(s) selecting static batching, read from ``serve --help``; None if none."""
     if re.search(r"--static-batching\b", help_text):

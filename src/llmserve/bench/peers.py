@@ -76,18 +76,27 @@ def _is_executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
+def _named_executable(explicit: Optional[str], env: str, what: str) -> Optional[Path]:
+    """The program ``explicit`` or ``$env`` names (None when neither does); raises
+    PeerUnavailable when that is not an executable file."""
+    named = explicit or os.environ.get(env)
+    if not named:
+        return None
+    path = Path(named).expanduser()
+    if not _is_executable(path):
+        raise PeerUnavailable(f"{what} {str(path)!r} is not an executable file")
+    return path
+
+
 def find_llama_server(explicit: Optional[str] = None, root: Optional[Path] = None) -> Path:
     """The llama-server binary: ``explicit``, else ``$LLMSERVE_LLAMA_SERVER``, else the cache.
 
     Raises:
         PeerUnavailable: none found (or the one named is not executable); says how to build it.
     """
-    named = explicit or os.environ.get(LLAMA_SERVER_ENV)
-    if named:
-        path = Path(named).expanduser()
-        if not _is_executable(path):
-            raise PeerUnavailable(f"llama-server {str(path)!r} is not an executable file")
-        return path
+    named = _named_executable(explicit, LLAMA_SERVER_ENV, "llama-server")
+    if named is not None:
+        return named
     candidate = llama_cpp_build_root(root) / "bin" / "llama-server"
     if _is_executable(candidate):
         return candidate
@@ -110,12 +119,9 @@ def find_vllm_python(explicit: Optional[str] = None, root: Optional[Path] = None
     Raises:
         PeerUnavailable: no such Python, or the venv was never completed.
     """
-    named = explicit or os.environ.get(VLLM_PYTHON_ENV)
-    if named:
-        path = Path(named).expanduser()
-        if not _is_executable(path):
-            raise PeerUnavailable(f"vLLM python {str(path)!r} is not an executable file")
-        return path
+    named = _named_executable(explicit, VLLM_PYTHON_ENV, "vLLM python")
+    if named is not None:
+        return named
     venv = vllm_venv_dir(root)
     python = venv / "bin" / "python"
     if not _is_executable(python) or not (venv / ".llmserve-ready").is_file():

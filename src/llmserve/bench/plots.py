@@ -48,8 +48,11 @@ def _values_ms(requests: Sequence[dict], key: str) -> list[float]:
 
 
 
-def _finish_axes(ax) -> None:
-    """Light grid, and a legend when anything was labelled."""
+def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """Title and axis labels, a light grid, and a legend when anything was labelled."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -64,11 +67,8 @@ def plot_latency_cdfs(runs: Sequence[dict], path: Path) -> Path:
             if xs:
                 ys = [(j + 1) / len(xs) for j in range(len(xs))]
                 ax.step(xs, ys, where="post", label=run["label"])
-        ax.set_title(f"{title} CDF")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
-        _finish_axes(ax)
+        _finish_axes(ax, f"{title} CDF", "ms", "fraction of samples")
     return _save(fig, path)
 
 
@@ -79,10 +79,7 @@ def plot_ttft_vs_input_len(runs: Sequence[dict], path: Path) -> Path:
         ok = [r for r in run["requests"] if r["success"] and r.get("ttft") is not None]
         ax.scatter([r["input_len"] for r in ok], [r["ttft"] * 1000.0 for r in ok], s=10,
                    alpha=0.6, label=run["label"])
-    ax.set_xlabel("input tokens (client tokenizer)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT vs input length")
-    _finish_axes(ax)
+    _finish_axes(ax, "TTFT vs input length", "input tokens (client tokenizer)", "TTFT (ms)")
     return _save(fig, path)
 
 
@@ -97,10 +94,7 @@ def plot_throughput_vs_concurrency(runs: Sequence[dict], path: Path) -> Path:
         xs = [run["metrics"].get("mean_in_flight") or 0.0 for run in runs]
         ys = [run["metrics"]["output_token_throughput"] for run in runs]
         ax.plot(xs, ys, "k-o", label="per run (mean in flight)")
-    ax.set_xlabel("requests in flight")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput vs concurrency")
-    _finish_axes(ax)
+    _finish_axes(ax, "Throughput vs concurrency", "requests in flight", "output tokens/s")
     return _save(fig, path)
 
 

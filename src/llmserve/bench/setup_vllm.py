@@ -141,29 +141,14 @@ def export_model(gguf: str) -> Path:
 
 def smoke_test(python: Path, model_dir: Path, timeout_s: float = 900.0) -> Optional[str]:
     """Serve ``model_dir`` with vLLM and ask for 8 tokens; None if fine, else the problem."""
-    import httpx
-
-    from llmserve.bench.compare import ServerProcess, ServerSpec
+    from llmserve.bench.compare import ServerSpec, smoke_completion
 
     settings = PeerSettings(parallel=2)
     spec = ServerSpec("vllm-smoke", vllm_command(str(python), str(model_dir), settings),
                       env=vllm_env(settings, python.parent.parent), ready_paths=("/health",),
                       ready_timeout_s=timeout_s)
-    proc = ServerProcess(spec, python.parent.parent / "smoke-test.log")
-    try:
-        with proc:
-            body = {"model": str(model_dir), "prompt": "Once upon a time", "max_tokens": 8,
-                    "ignore_eos": True, "temperature": 0}
-            reply = httpx.post(proc.url + "/v1/completions", json=body, timeout=timeout_s,
-                               trust_env=False)
-            if reply.status_code != 200:
-                return f"HTTP {reply.status_code}: {reply.text[:300]}"
-            tokens = reply.json().get("usage", {}).get("completion_tokens")
-            if tokens != 8:
-                return f"asked for 8 tokens, got {tokens}"
-    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return smoke_completion(spec, python.parent.parent / "smoke-test.log", timeout_s,
+                            model=str(model_dir))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

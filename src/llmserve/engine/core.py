@@ -39,7 +39,7 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
     for s in sched.scheduled:
         req = s.request
         nd = s.num_draft_tokens
-        end = s.start + s.num_new_tokens - nd
+        end = s.committed_end
         tokens = req.all_token_ids[s.start:end]
         sampling = None
         if s.samples:
@@ -103,12 +103,17 @@ class EngineCore:
             self.scheduler.abort_request(request_id)
         else:
             self.scheduler.finish_request(request, reason)
+        delta = self.outputs.finish_early(request, reason)
+        self._forget(request_id)
+        return SequenceUpdate(request, delta)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what the runner, the speculative decoder and the output processor hold for
+        a sequence the scheduler has ended."""
         self.runner.release(request_id)
         if self.spec is not None:
             self.spec.release(request_id)
-        delta = self.outputs.finish_early(request, reason)
         self.outputs.release(request_id)
-        return SequenceUpdate(request, delta)
 
     def expire_deadlines(self, now: float) -> list[SequenceUpdate]:
         """End requests past their deadline ("timeout") or still queued past their queue
@@ -185,10 +190,7 @@ class EngineCore:
                     step_delta.accepted_prediction_tokens = req.spec_state.accepted_prediction
                     step_delta.rejected_prediction_tokens = req.spec_state.rejected_prediction
                 self.scheduler.finish_request(req, finish, stop_reason)
-                self.runner.release(req.request_id)
-                if self.spec is not None:
-                    self.spec.release(req.request_id)
-                self.outputs.release(req.request_id)
+                self._forget(req.request_id)
                 break
         return SequenceUpdate(req, CompletionOutput.joined(deltas)) if deltas else None
 
@@ -205,7 +207,7 @@ class EngineCore:
             tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id)
                       for s in sched.scheduled}
             return execute_isolated(
-                lambda sub, _tables: self.runner.execute(build_step_input(sub, self.kv)),
+                lambda sub: self.runner.execute(build_step_input(sub, self.kv)),
                 sched, tables, exc, self.kv.block_size)
 
     def _settle_failures(self, failures: StepFailures) -> list[SequenceUpdate]:

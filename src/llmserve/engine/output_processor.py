@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.request import Request
@@ -57,6 +57,13 @@ class OutputProcessor:
             self._piece_cache[token_id] = piece
         return piece
 
+    def token_logprob(self, token_id: int, logprob: float,
+                      top: Sequence[tuple[int, float]]) -> TokenLogprob:
+        """A token's logprob entry with its text and its ``(token, logprob)`` alternatives
+        (sampled tokens and prompt tokens alike)."""
+        return TokenLogprob(token_id, self.token_text(token_id), logprob,
+                            [TopLogprob(t, self.token_text(t), lp) for t, lp in top])
+
     def process_token(
         self, req: Request, token_id: int,
         logprob: Optional[float] = None,
@@ -72,8 +79,7 @@ class OutputProcessor:
         delta = CompletionOutput(index=req.index, token_ids=[token_id],
                                  num_tokens=req.num_output_tokens)
         if p.logprobs is not None and logprob is not None:
-            tops = [TopLogprob(t, self.token_text(t), lp) for t, lp in (top or [])[: p.logprobs]]
-            delta.logprobs = [TokenLogprob(token_id, self.token_text(token_id), logprob, tops)]
+            delta.logprobs = [self.token_logprob(token_id, logprob, (top or [])[: p.logprobs])]
         finish: Optional[str] = None
         stop_reason: "str | int | None" = None
         if req.num_output_tokens >= p.min_tokens:

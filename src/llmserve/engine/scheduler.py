@@ -48,9 +48,14 @@ class ScheduledRequest:
     num_draft_tokens: int = 0  # speculative drafts at the end of the new tokens (verified)
 
     @property
+    def committed_end(self) -> int:
+        """Position after the last committed (non-draft) token this step computes."""
+        return self.start + self.num_new_tokens - self.num_draft_tokens
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's tokens (a token is sampled)."""
-        return self.start + self.num_new_tokens - self.num_draft_tokens == self.request.num_tokens
+        return self.committed_end == self.request.num_tokens
 
 
 @dataclass
@@ -138,6 +143,11 @@ class Scheduler:
         recomputed (like a preemption, without counting as one)."""
         if request.status is not RequestStatus.RUNNING:
             return
+        self._send_back(request)
+
+    def _send_back(self, request: Request) -> None:
+        """Free a running request's KV and queue it to be recomputed from its first token
+        (its old arrival time puts it first in its class)."""
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -254,14 +264,10 @@ class Scheduler:
         return max(pool, key=lambda r: self._key(r, now))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        self._send_back(request)
         request.num_preemptions += 1
         request.last_preempted_step = self.step_index
         self.num_preemptions += 1
-        self.waiting.append(request)  # its old arrival time puts it first in its class
         out.preempted.append(request)
         logger.debug("preempted %s", request.request_id)
 
@@ -270,4 +276,4 @@ class Scheduler:
         only once accepted: the engine core adds them after verification)."""
         for s in out.scheduled:
             if s.request.status is RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.start + s.num_new_tokens - s.num_draft_tokens
+                s.request.num_computed_tokens = s.committed_end

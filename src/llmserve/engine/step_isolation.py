@@ -103,14 +103,15 @@ def merge_outputs(results: list[Any]) -> Any:
 
 
 def execute_isolated(
-    execute: Callable[[SchedulerOutput, dict[str, list[int]]], Any],
+    execute: Callable[[SchedulerOutput], Any],
     sched: SchedulerOutput,
     tables: dict[str, list[int]],
     first_error: BaseException,
     block_size: int,
 ) -> tuple[Any, StepFailures]:
-    """After ``execute(sched, tables)`` raised ``first_error``: run the step's requests
-    without the culprits; returns the merged output and what failed."""
+    """After ``execute(sched)`` raised ``first_error``: run the step's requests without the
+    culprits; returns the merged output and what failed. ``tables``: each request's KV
+    block ids (which blocks a request reads and writes)."""
     def table(item: ScheduledRequest) -> list[int]:
         return tables[item.request.request_id]
 
@@ -119,7 +120,7 @@ def execute_isolated(
         return any(reads.intersection(blocks_written(o, table(o), block_size))
                    for o in lost if o is not item)
 
-    iso = isolate_failures(sched.scheduled, lambda items: execute(subset(sched, items), tables),
+    iso = isolate_failures(sched.scheduled, lambda items: execute(subset(sched, items)),
                            first_error, depends_on)
     failures = StepFailures(
         failed=[(item, request_error(item, exc, sched.step)) for item, exc in iso.failed],

@@ -82,28 +82,9 @@ class StepInput:
         return len(self.token_ids)
 
     @property
-    def context_lens(self) -> list[int]:
-        return [s + n for s, n in zip(self.start_positions, self.num_new_tokens)]
-
-    @property
     def is_decode_only(self) -> bool:
         """Every sequence computes exactly one token (the compiled fast path)."""
         return all(n == 1 for n in self.num_new_tokens)
-
-    def subset(self, indices: Sequence[int]) -> "StepInput":
-        """The same step restricted to some sequences (used to isolate a failing one)."""
-        out = StepInput(finished_request_ids=list(self.finished_request_ids))
-        offsets = [0]
-        for n in self.num_new_tokens:
-            offsets.append(offsets[-1] + n)
-        for i in indices:
-            rid = self.request_ids[i]
-            out.add(rid, self.token_ids[offsets[i]:offsets[i + 1]],
-                    self.start_positions[i], self.block_tables[i], self.num_samples[i],
-                    self.sampling[i], self.loras[i])
-            if rid in self.prompt_logprob_targets:
-                out.prompt_logprob_targets[rid] = self.prompt_logprob_targets[rid]
-        return out
 
 
 @dataclass

@@ -157,6 +157,19 @@ class BeginResult:
     run_id: Optional[str] = None               # set for NEW
 
 
+def _run_filter(request_id: Optional[str], run_id: Optional[str], params: list[Any]) -> str:
+    """SQL that limits an in-progress record to the request / run whose ``begin`` made it
+    (a record without that id matches); appends the ids to ``params``."""
+    sql = ""
+    if request_id is not None:
+        sql += " AND (request_id IS NULL OR request_id = ?)"
+        params.append(request_id)
+    if run_id is not None:
+        sql += " AND (run_id IS NULL OR run_id = ?)"
+        params.append(run_id)
+    return sql
+
+
 class IdempotencyStore:
     """Idempotency records on SQLite; see the module docstring for the rules.
 
@@ -273,12 +286,7 @@ class IdempotencyStore:
             None if events is None else json.dumps(list(events)),
             now, now + self.ttl_s, request_id, tenant, key,
         ]
-        if request_id is not None:
-            sql += " AND (request_id IS NULL OR request_id = ?)"
-            params.append(request_id)
-        if run_id is not None:
-            sql += " AND (run_id IS NULL OR run_id = ?)"
-            params.append(run_id)
+        sql += _run_filter(request_id, run_id, params)
         with self._db.transaction() as conn:
             if also is not None:
                 also(conn)
@@ -297,12 +305,7 @@ class IdempotencyStore:
         """
         sql = "DELETE FROM idempotency_keys WHERE tenant = ? AND key = ? AND state = 'in_progress'"
         params: list[Any] = [tenant, key]
-        if request_id is not None:
-            sql += " AND (request_id IS NULL OR request_id = ?)"
-            params.append(request_id)
-        if run_id is not None:
-            sql += " AND (run_id IS NULL OR run_id = ?)"
-            params.append(run_id)
+        sql += _run_filter(request_id, run_id, params)
         with self._db.transaction() as conn:
             return conn.execute(sql, params).rowcount == 1
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -71,7 +72,28 @@ class StoreBounds:
         return None if size > self.max_bytes else (text, size)
 
 
-class MemoryResponseStore:
+class _BoundedStore(ABC):
+    """What both stores share: ``put`` encodes an entry and refuses one over the bounds."""
+
+    bounds: StoreBounds
+    _clock: Callable[[], float]
+
+    def put(self, entry: CachedResponse) -> bool:
+        """Store ``entry`` (replacing one with its key, evicting LRU entries over the bounds);
+        False when it alone is larger than ``max_bytes``."""
+        encoded = self.bounds.encode(entry)
+        if encoded is None:
+            return False
+        text, size = encoded
+        self._store(entry, text, size, self._clock())
+        return True
+
+    @abstractmethod
+    def _store(self, entry: CachedResponse, text: str, size: int, now: float) -> None:
+        """Keep ``entry`` as ``text`` (``size`` bytes) from ``now`` on, then evict."""
+
+
+class MemoryResponseStore(_BoundedStore):
     """Entries in an LRU dict (lost at restart)."""
 
     def __init__(self, bounds: StoreBounds, clock: Callable[[], float] = time.time) -> None:
@@ -94,12 +116,7 @@ class MemoryResponseStore:
             self._entries.move_to_end(key)
         return CachedResponse.from_json(item[0])
 
-    def put(self, entry: CachedResponse) -> bool:
-        encoded = self.bounds.encode(entry)
-        if encoded is None:
-            return False
-        text, size = encoded
-        now = self._clock()
+    def _store(self, entry: CachedResponse, text: str, size: int, now: float) -> None:
         with self._lock:
             if entry.key in self._entries:
                 self._drop(entry.key)
@@ -109,7 +126,6 @@ class MemoryResponseStore:
                    or self._bytes > self.bounds.max_bytes):
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
-        return True
 
     def _drop(self, key: str) -> None:
         _text, size, _exp = self._entries.pop(key)
@@ -135,7 +151,7 @@ class MemoryResponseStore:
             self._bytes = 0
 
 
-class SQLiteResponseStore:
+class SQLiteResponseStore(_BoundedStore):
     """Entries in the ``response_cache`` table of the gateway database (survive restarts)."""
 
     def __init__(self, db_path: str, bounds: StoreBounds, clock: Callable[[], float] = time.time,
@@ -161,12 +177,7 @@ class SQLiteResponseStore:
             conn.execute("UPDATE response_cache SET last_used = ? WHERE key = ?", (now, key))
         return CachedResponse.from_json(row["entry"])
 
-    def put(self, entry: CachedResponse) -> bool:
-        encoded = self.bounds.encode(entry)
-        if encoded is None:
-            return False
-        text, size = encoded
-        now = self._clock()
+    def _store(self, entry: CachedResponse, text: str, size: int, now: float) -> None:
         with self._db.transaction() as conn:
             conn.execute("DELETE FROM response_cache WHERE expires_at <= ?", (now,))
             conn.execute("INSERT OR REPLACE INTO response_cache (key, tenant, entry, size, "
@@ -182,7 +193,6 @@ class SQLiteResponseStore:
                     conn.execute("DELETE FROM response_cache WHERE key = ?", (row["key"],))
                     count, total = count - 1, total - row["size"]
                     self.evictions += 1
-        return True
 
     def flush(self, tenant: Optional[str] = None) -> int:
         with self._db.transaction() as conn:

@@ -23,6 +23,13 @@ SUPPORTED_ARCHITECTURES = {
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
+def interleaved_layer_types(layers: int, period: int) -> tuple[str, ...]:
+    """``layer_types`` where every ``period``-th layer attends to its whole context and the
+    others slide (Gemma 2: period 2, Gemma 3: 6); all full attention when ``period`` < 1."""
+    return tuple(SLIDING_ATTENTION if period > 0 and (i + 1) % period else FULL_ATTENTION
+                 for i in range(layers))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The numbers the model code needs, for every supported family.

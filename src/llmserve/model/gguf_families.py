@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from llmserve.model.config import FULL_ATTENTION, SLIDING_ATTENTION, interleaved_layer_types
+
 #: GGUF ``general.architecture`` -> ModelConfig.architecture (llama + experts -> mixtral).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
@@ -129,17 +131,15 @@ def _sliding_fields(gguf_arch: str, metadata: dict[str, Any], layers: int) -> di
     pattern = metadata.get(f"{gguf_arch}.attention.sliding_window_pattern",
                            2 if gguf_arch == "gemma2" else 6)
     if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-        if len(sliding) != layers:
-            raise ValueError(f"{gguf_arch}.attention.sliding_window_pattern has {len(sliding)} "
+        if len(pattern) != layers:
+            raise ValueError(f"{gguf_arch}.attention.sliding_window_pattern has {len(pattern)} "
                              f"entries for {layers} layers")
+        types = tuple(SLIDING_ATTENTION if p else FULL_ATTENTION for p in pattern)
     else:
-        n = int(pattern)
-        sliding = [n > 0 and i % n < n - 1 for i in range(layers)]
-    if not any(sliding):
+        types = interleaved_layer_types(layers, int(pattern))
+    if SLIDING_ATTENTION not in types:
         return {}
-    return dict(sliding_window=window, layer_types=tuple(
-        "sliding_attention" if s else "full_attention" for s in sliding))
+    return dict(sliding_window=window, layer_types=types)
 
 
 def family_config_fields(gguf_arch: str, arch: str, metadata: dict[str, Any], *, layers: int,

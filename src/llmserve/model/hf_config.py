@@ -19,7 +19,7 @@ import os
 from typing import Any, Optional
 
 from llmserve.model.config import (
-    FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, ModelConfig,
+    FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, ModelConfig, interleaved_layer_types,
 )
 
 logger = logging.getLogger(__name__)
@@ -114,8 +114,7 @@ def _sliding(cfg: dict, arch: str, layers: int, max_len: int
         types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
     elif not types and arch in _GEMMA:
         pattern = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
-        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
-                 for i in range(layers)]
+        types = interleaved_layer_types(layers, pattern)
     types = tuple(types or ())
     if types and SLIDING_ATTENTION not in types:
         return None, ()

@@ -128,32 +128,6 @@ def _iter_safetensors(paths: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]
                 yield name, handle.get_tensor(name)
 
 
-def _collect(tensors: Iterable[tuple[str, Any]], config: ModelConfig, dtype: torch.dtype,
-             source: str) -> dict[str, torch.Tensor]:
-    """Convert, validate names and shapes, and drop derived or tied entries."""
-    expected = expected_weight_shapes(config)
-    weights: dict[str, torch.Tensor] = {}
-    unexpected = []
-    for name, value in tensors:
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
-            continue
-        if name not in expected:
-            unexpected.append(name)
-            continue
-        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]} from the config"
-            )
-        weights[name] = tensor.to(dtype).contiguous()
-    if unexpected:
-        raise ValueError(f"{source}: unexpected tensors {unexpected[:5]} (total {len(unexpected)}) for {config.architecture}")
-    missing = [n for n in expected if n not in weights]
-    if missing:
-        raise ValueError(f"{source}: missing tensors {missing[:5]} (total {len(missing)})")
-    return weights
-
-
 def fingerprint_files(paths: Iterable[str], extra: str = "") -> str:
     """sha256 over ``extra``, then each file's base name and bytes (streamed), in the given order."""
     digest = hashlib.sha256(extra.encode("utf-8"))
@@ -238,22 +212,9 @@ def load_checkpoint(path: str, dtype: Union[torch.dtype, str] = torch.float32) -
             match the config.
     """
     load_dtype = _resolve_dtype(dtype)
-    if _is_gguf(path):
-        gguf_file = read_gguf(path)
-        config = gguf_model_config(gguf_file)
-        weights = _collect(iter_gguf_weights(gguf_file, config), config, load_dtype, path)
-        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
-        files = [gguf_file.path]
-    elif os.path.isdir(path):
-        config = hf_model_config(path)
-        files = _safetensors_files(path)
-        weights = _collect(_iter_safetensors(files), config, load_dtype, path)
-        gen_path = os.path.join(path, "generation_config.json")
-        generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
-        files = [os.path.join(path, "config.json")] + files
-    else:
-        raise FileNotFoundError(f"model path {path!r} is neither an HF model folder nor a .gguf file")
-    fingerprint = fingerprint_files(files, extra=f"quantization={config.quantization}\n")
+    source = open_checkpoint(path)
+    weights = {name: tensor.to(load_dtype).contiguous() for name, tensor in source.iter_weights()}
+    config = source.config
     logger.info("loaded %s (%s, %d tensors, %s)", path, config.architecture, len(weights), config.quantization or "unquantized")
-    return LoadedCheckpoint(config=config, weights=weights, weights_fingerprint=fingerprint,
-                            generation_config=generation, path=os.path.abspath(path))
+    return LoadedCheckpoint(config=config, weights=weights, weights_fingerprint=source.weights_fingerprint,
+                            generation_config=source.generation_config, path=source.path)

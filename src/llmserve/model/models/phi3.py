@@ -10,27 +10,18 @@ applies to every layer, as in transformers.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from llmserve.model.attention.backend import AttentionBackend
 from llmserve.model.config import ModelConfig
-from llmserve.model.layers.linear import LinearMethod
-from llmserve.model.layers.norm import RMSNorm
-from llmserve.model.models.base import CausalLM, DecoderAttention, DecoderLayer, GatedMLP, Shapes
+from llmserve.model.models.base import Shapes
+from llmserve.model.models.llama import LlamaForCausalLM
 
 
-class Phi3ForCausalLM(CausalLM):
-    """Phi-3: pre-norm, SwiGLU, rotary (LongRoPE), fused qkv and gate_up in the checkpoint."""
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: pre-norm, SwiGLU, rotary (LongRoPE), fused qkv and gate_up in the checkpoint.
+
+    Its layers are Llama's (``make_layer``, no o_proj bias); only the checkpoint names differ.
+    """
 
     renames: dict = {}   # checkpoint names are the module names: no per-shard tensors
-
-    def make_layer(self, cfg: ModelConfig, layer: int, backend: AttentionBackend,
-                   method: LinearMethod, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        attn = DecoderAttention(cfg, layer, backend, method, dtype, device)
-        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, method, dtype,
-                       device)
-        return DecoderLayer(cfg, attn, mlp, RMSNorm, dtype, device)
 
     @classmethod
     def layer_weight_shapes(cls, cfg: ModelConfig, layer: int, prefix: str) -> Shapes:
