@@ -162,32 +162,44 @@ def test_an_engine_without_lora_says_how_to_enable_it(tiny, start_server):
 
 
 def test_a_release_canary_can_be_an_adapter(engine, tiny, start_server, tmp_path):
-    """Releases point at served names, adapters included: the adapter's content hash is the
-    release's adapter identity, and the split reaches the base and the adapter."""
+    """Releases point at served names, adapters included: a canary on an adapter loaded at
+    run time carries the adapter's content hash in its identity, and the split reaches both."""
     from llmserve.gateway.build import build_gateway
 
-    content_hash = engine.engine.lora_info("a")["content_hash"] \
-        if hasattr(engine, "engine") and hasattr(engine.engine, "lora_info") else None
-    config = write_config(tmp_path, {"alpha": {"models": ["*"]}}, KEYS | {},
+    config = write_config(tmp_path, {"alpha": {"models": ["*"]}}, KEYS | {"beta": "x"},
+                          admin={"keys": [hash_api_key(ADMIN)]},
                           releases={"tuned": {
                               "stable": "v1", "canary": {"release": "v2", "share": 0.5},
                               "versions": {"v1": {"target": "base"},
-                                           "v2": {"target": "a"}}}})
+                                           "v2": {"target": "late"}}}})
     gateway = build_gateway(str(config), engine, served_model_names=["base"])
     live = start_server(engine, served_model_names=["base"], gateway=gateway)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(live.url("/v1/load_lora_adapter"), json={"lora_name": "late",
+                                                             "lora_path": tiny[2]},
+                   headers=admin, timeout=60)
+    assert r.status_code == 200, r.text
+    content_hash = r.json()["content_hash"]
     client = openai.OpenAI(base_url=live.url("/v1"), api_key=KEYS["alpha"], max_retries=0)
     seen: dict[str, set] = {}
-    for _ in range(8):
-        raw = client.completions.with_raw_response.create(
-            model="tuned", prompt=PROMPT, max_tokens=4, temperature=0)
-        out = raw.parse()
-        seen.setdefault(raw.headers["x-llmserve-release"], set()).add(
-            (out.model, raw.headers["x-llmserve-release-fingerprint"], out.choices[0].text))
-    assert set(seen) == {"v1", "v2"}
-    assert {m for m, _, _ in seen["v1"]} == {"base"} and {m for m, _, _ in seen["v2"]} == {"a"}
-    assert len(seen["v1"]) == len(seen["v2"]) == 1   # one identity, one greedy answer each
-    assert next(iter(seen["v1"]))[1:] != next(iter(seen["v2"]))[1:]
-    status = httpx.get(live.url("/admin/releases"), timeout=30,
-                       headers={"Authorization": f"Bearer {ADMIN}"})
-    if content_hash is not None and status.status_code == 200:
-        assert content_hash in status.text
+    try:
+        for _ in range(8):
+            raw = client.completions.with_raw_response.create(
+                model="tuned", prompt=PROMPT, max_tokens=4, temperature=0)
+            out = raw.parse()
+            seen.setdefault(raw.headers["x-llmserve-release"], set()).add(
+                (out.model, raw.headers["x-llmserve-release-fingerprint"], out.choices[0].text))
+        assert set(seen) == {"v1", "v2"}
+        assert {m for m, _, _ in seen["v1"]} == {"base"}
+        assert {m for m, _, _ in seen["v2"]} == {"late"}
+        assert len(seen["v1"]) == len(seen["v2"]) == 1   # one identity, one greedy answer each
+        assert next(iter(seen["v1"]))[1:] != next(iter(seen["v2"]))[1:]
+        status = httpx.get(live.url("/admin/releases"), headers=admin, timeout=30)
+        assert status.status_code == 200, status.text
+        releases = {rid: rel for model in status.json()["data"]
+                    for rid, rel in model["releases"].items()}
+        assert releases["v2"]["identity"]["adapter"] == content_hash
+        assert releases["v1"]["identity"]["adapter"] is None
+    finally:
+        httpx.post(live.url("/v1/unload_lora_adapter"), json={"lora_name": "late"},
+                   headers=admin, timeout=60)
