@@ -129,3 +129,88 @@ class CompiledDecodeStep:
                         i + 1, len(self.buckets), b, time.time() - t)
         logger.info("decode step compiled for batches %s in %.1fs", self.buckets, time.time() - t0)
 
+
+#: Query rows of a compiled verify step come in multiples of this (the int4 kernel works
+#: on tiles of 4 rows, so a padded row costs nothing there).
+VERIFY_ROW_MULTIPLE = 4
+
+
+class CompiledVerifyStep:
+    """Runs steps where every sequence decodes with its speculative drafts (``k + 1`` rows,
+    all sampled) as one compiled graph, attention included.
+
+    Shapes: ``B`` sequences padded to a batch bucket, ``Q`` rows each padded to a multiple
+    of ``VERIFY_ROW_MULTIPLE`` (see ``InputBuffers.stage_uniform``); both dimensions are
+    dynamic, so one graph (or one per size range a kernel choice guards) serves every
+    step. Returns the logits of all ``B * Q`` rows.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+                 max_num_seqs: int, max_drafts: int) -> None:
+        _configure_caches()
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.block_size = backend.block_size
+        self.max_rows = -(-(max_drafts + 1) // VERIFY_ROW_MULTIPLE) * VERIFY_ROW_MULTIPLE
+        self.buckets = [b for b in batch_buckets(max_num_seqs)
+                        if b <= buffers.max_seqs and b * self.max_rows <= buffers.max_tokens]
+        self.failed = False
+        self._compiled = torch.compile(self._forward, fullgraph=True)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        meta = self.backend.verify_metadata(slot_mapping.reshape(-1), block_tables, positions)
+        hidden = self.model(input_ids.reshape(-1), positions.reshape(-1), kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    def shape_for(self, num_seqs: int, max_rows: int) -> Optional[tuple[int, int]]:
+        """(padded sequences, rows per sequence) for a step, or None if none fits."""
+        if self.failed or max_rows > self.max_rows:
+            return None
+        rows = -(-max_rows // VERIFY_ROW_MULTIPLE) * VERIFY_ROW_MULTIPLE
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b, rows
+        return None
+
+    def __call__(self, staged: StagedStep, rows: int) -> torch.Tensor:
+        """Logits ``(B * Q, vocab)`` of a staged verify step (sequence-major rows)."""
+        seqs = staged.block_tables.shape[0]
+        args = (staged.input_ids.view(seqs, rows), staged.positions.view(seqs, rows),
+                staged.slot_mapping.view(seqs, rows), staged.block_tables)
+        for t in args:
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        try:
+            return self._compiled(*args, self.kv_caches)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
+            if self.failed:
+                raise
+            self.failed = True
+            logger.warning("compiling the verify step failed (%s: %s); running eagerly",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return self._forward(*args, self.kv_caches)
+
+    def warmup(self) -> None:
+        """Run every batch bucket with the fewest and the most rows (a kernel chosen by the
+        number of rows makes one graph per range) on dummy rows in the scratch block."""
+        from llmserve.engine.step_types import StepInput
+
+        t0 = time.time()
+        scratch = self.buffers.scratch_block
+        for seqs, rows in sorted({(b, r) for b in self.buckets
+                                  for r in (VERIFY_ROW_MULTIPLE, self.max_rows)}):
+            if self.failed:
+                break
+            step = StepInput()
+            for r in range(seqs):
+                step.add(f"warmup{r}", [0] * rows, 0, [scratch], 0, None)
+            staged = self.buffers.stage_uniform(step, list(range(seqs)), self.block_size,
+                                                rows, seqs)
+            with torch.inference_mode():
+                self(staged, rows)
+        logger.info("verify step compiled in %.1fs", time.time() - t0)

@@ -123,3 +123,53 @@ class InputBuffers:
             num_decodes=num_decodes + (rows - b), query_lens=qlens + [1] * (rows - b),
             context_lens_host=ctx + [1] * (rows - b),
             table_widths=widths + [1] * (rows - b), row_starts=row_starts[:-1].tolist())
+
+    def stage_uniform(self, step: StepInput, order: list[int], block_size: int, rows: int,
+                      seqs: int) -> StagedStep:
+        """``step``'s sequences in ``order`` as ``seqs`` x ``rows`` query rows (a verify
+        step: each sequence's tokens, then padding). A padded row repeats its sequence's
+        last position and writes the scratch block; a padded sequence is all scratch."""
+        b = len(order)
+        t = seqs * rows
+        qlens = [step.num_new_tokens[i] for i in order]
+        starts = [step.start_positions[i] for i in order]
+        if t > self.max_tokens or seqs > self.max_seqs or b > seqs or max(qlens) > rows:
+            raise ValueError(f"a verify step of {b} x {max(qlens)} tokens does not fit "
+                             f"{seqs} x {rows} rows of the buffers")
+        ctx = [s + n for s, n in zip(starts, qlens)]
+        widths = [-(-c // block_size) for c in ctx]
+        w = max(2, max(widths))
+        if w > self.max_blocks:
+            raise ValueError(f"a context of {max(ctx)} tokens exceeds the buffers")
+        buf = self._np
+        o_pos, o_slot, o_ctx = t, 2 * t, 3 * t
+        o_bt = o_ctx + seqs
+        end = o_bt + seqs * w
+        ids = buf[:o_pos].reshape(seqs, rows)
+        pos = buf[o_pos:o_slot].reshape(seqs, rows)
+        slot = buf[o_slot:o_ctx].reshape(seqs, rows)
+        bt = buf[o_bt:end].reshape(seqs, w)
+        ids.fill(0)
+        pos.fill(0)
+        slot.fill(self.scratch_block * block_size)
+        bt.fill(self.scratch_block)
+        offsets = np.zeros(len(step.num_new_tokens) + 1, dtype=np.int64)
+        np.cumsum(step.num_new_tokens, out=offsets[1:])
+        src = np.asarray(step.token_ids, dtype=np.int64)
+        for p, (i, n, s0) in enumerate(zip(order, qlens, starts)):
+            table = step.block_tables[i]
+            bt[p, :len(table)] = table
+            ids[p, :n] = src[offsets[i]:offsets[i] + n]
+            pos[p, :n] = self._arange[:n] + s0
+            pos[p, n:] = s0 + n - 1
+            slot[p, :n] = bt[p, pos[p, :n] // block_size] * block_size + pos[p, :n] % block_size
+        buf[o_ctx:o_ctx + b] = ctx
+        buf[o_ctx + b:o_bt] = 1
+        dev = self._host[:end].to(self.device, non_blocking=True) \
+            if self.device.type != "cpu" else self._host[:end]
+        return StagedStep(
+            input_ids=dev[:o_pos], positions=dev[o_pos:o_slot], slot_mapping=dev[o_slot:o_ctx],
+            context_lens=dev[o_ctx:o_bt], block_tables=dev[o_bt:end].view(seqs, w),
+            num_seqs=b, num_decodes=seqs, query_lens=qlens + [rows] * (seqs - b),
+            context_lens_host=ctx + [1] * (seqs - b), table_widths=widths + [1] * (seqs - b),
+            row_starts=[p * rows for p in range(seqs)])

@@ -18,7 +18,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.step_types import StepInput, StepOutput
 from llmserve.model.attention.backend import make_backend
 from llmserve.model.attention.reference import group_key
-from llmserve.model.compile import CompiledDecodeStep
+from llmserve.model.compile import CompiledDecodeStep, CompiledVerifyStep
 from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
@@ -99,6 +99,7 @@ class ModelRunner:
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else env_flag(
             "LLMSERVE_ENFORCE_EAGER")
         self.compiled: Optional[CompiledDecodeStep] = None
+        self.compiled_verify: Optional[CompiledVerifyStep] = None   # drafts' verify steps
         if not eager and self.model.compile_unsupported:
             logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
         elif not eager and self.lora is not None:
@@ -107,6 +108,10 @@ class ModelRunner:
         if not eager and not self.model.compile_unsupported and self.parallel is None:  # no TP
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
                                                self.buffers, cfg.max_num_seqs, self.device)
+            if cfg.speculative_method and self.backend.name == "paged":
+                self.compiled_verify = CompiledVerifyStep(
+                    self.model, self.backend, self.kv_caches, self.buffers,
+                    min(cfg.max_num_seqs, cfg.speculative_max_batch), cfg.num_speculative_tokens)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
                     "attention %s; %s", self.num_blocks, self.block_size,
                     self.kv.pool_bytes / 2**30, str(self.kv_dtype).replace("torch.", ""),
@@ -142,6 +147,8 @@ class ModelRunner:
         """Compile the decode step for every batch bucket now (else on first use)."""
         if self.compiled is not None:
             self.compiled.warmup()
+        if self.compiled_verify is not None:
+            self.compiled_verify.warmup()
 
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator)."""
@@ -156,25 +163,35 @@ class ModelRunner:
             self.release(rid)
         broadcast_step(self.parallel, step, self.capture_all_logits)
         order = self._order(step)
-        compiled = (self.compiled is not None and not self.capture_all_logits
-                    and not step.prompt_logprob_targets and step.is_decode_only
-                    and self.compiled.accepts(step.num_seqs)
-                    and (self.lora is None or not any(step.loras)))   # LoRA steps: eager
-        pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
-        staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
+        plain = (not self.capture_all_logits and not step.prompt_logprob_targets
+                 and (self.lora is None or not any(step.loras)))   # LoRA steps: eager
+        compiled = (plain and self.compiled is not None and step.is_decode_only
+                    and self.compiled.accepts(step.num_seqs))
+        verify = None   # (sequences, rows) of a compiled verify step
+        if plain and not compiled and self.compiled_verify is not None and all(
+                n == s for n, s in zip(step.num_new_tokens, step.num_samples)):
+            verify = self.compiled_verify.shape_for(step.num_seqs, max(step.num_new_tokens))
+        if verify is not None:
+            staged = self.buffers.stage_uniform(step, order, self.block_size, rows=verify[1],
+                                                 seqs=verify[0])
+        else:
+            pad_to = self.compiled.bucket_for(step.num_seqs) if compiled else None
+            staged = self.buffers.stage(step, order, self.block_size, pad_to=pad_to)
         if self.lora is not None:
             self.lora.prepare([step.loras[i] for i in order], staged.query_lens[:len(order)])
         logits_all = None
         with torch.inference_mode():
+            hidden = logits = None
             if compiled:
-                logits = self.compiled(staged)
-                hidden = None
+                logits = self._rows_of_sampled(self.compiled(staged), step, order, 1)
+            elif verify is not None:
+                logits = self._rows_of_sampled(self.compiled_verify(staged, verify[1]), step,
+                                               order, verify[1])
             else:
                 meta = self.backend.build_metadata(staged.batch())
                 hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
                 if self.capture_all_logits:
                     logits_all = self.model.compute_logits(hidden)
-                logits = None
             out = self._sample(step, order, staged, hidden, logits, logits_all)
             if step.prompt_logprob_targets:
                 out.prompt_logprobs = score_prompt_tokens(self.model, hidden, staged.row_starts,
@@ -210,8 +227,6 @@ class ModelRunner:
             return out
         if logits is None:
             logits = self._sampled_logits(step, order, staged, hidden, logits_all, sampled)
-        else:
-            logits = logits[:len(sampled)]
         if self.parallel is not None and self.parallel.rank != 0:
             return out   # workers only join the collectives; rank 0 samples
         if self.sample_vocab_size < logits.shape[-1]:
@@ -232,6 +247,17 @@ class ModelRunner:
         logits = logits.index_select(0, pick)
         verified = self._verify(step, rest, logits[:len(verify_rows)], StepOutput())
         return _concat(verified, self._sample_rows(step, plain, logits[len(verify_rows):], out))
+
+    @staticmethod
+    def _rows_of_sampled(logits: torch.Tensor, step: StepInput, order: list[int],
+                         rows: int) -> torch.Tensor:
+        """From a compiled step's logits (``rows`` per sequence, in ``order``), those of
+        the sampled rows: the last ``num_samples`` of each sequence, in order."""
+        if rows == 1 and all(step.num_samples[i] for i in order):
+            return logits[:len(order)]
+        index = [p * rows + step.num_new_tokens[i] - step.num_samples[i] + j
+                 for p, i in enumerate(order) for j in range(step.num_samples[i])]
+        return logits.index_select(0, torch.tensor(index, device=logits.device))
 
     def _sampled_logits(self, step: StepInput, order: list[int], staged, hidden, logits_all,
                         sampled: list[int]) -> torch.Tensor:

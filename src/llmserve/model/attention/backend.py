@@ -86,6 +86,8 @@ class AttentionMetadata:
     decode_valid: Optional[torch.Tensor] = None          # (Bd, W * block_size) bool
     decode_slots: Optional[torch.Tensor] = None          # (Bd, W * block_size) long: cache rows
     decode_context_lens: Optional[torch.Tensor] = None   # (Bd,) long
+    # a compiled verify step: Q query rows per sequence (decode_valid is then (B, Q, L))
+    decode_positions: Optional[torch.Tensor] = None      # (B, Q) long: each row's position
     _windowed: dict = field(default_factory=dict)
 
     def decode_valid_for(self, window: Optional[int]) -> torch.Tensor:
@@ -94,9 +96,12 @@ class AttentionMetadata:
             return self.decode_valid
         valid = self._windowed.get(window)
         if valid is None:
-            keys = torch.arange(self.decode_valid.shape[1], device=self.decode_valid.device)
-            last = self.decode_context_lens.unsqueeze(1) - 1
-            valid = self.decode_valid & (keys.unsqueeze(0) > last - window)
+            keys = torch.arange(self.decode_valid.shape[-1], device=self.decode_valid.device)
+            if self.decode_positions is not None:
+                last = self.decode_positions.unsqueeze(-1)
+            else:
+                last = self.decode_context_lens.unsqueeze(1) - 1
+            valid = self.decode_valid & (keys > last - window)
             self._windowed[window] = valid
         return valid
 
@@ -127,6 +132,21 @@ class AttentionBackend(ABC):
         return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decodes=b,
                                  decode_block_tables=block_tables, decode_valid=valid,
                                  decode_slots=slots, decode_context_lens=context_lens)
+
+    def verify_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        positions: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a step of ``B`` sequences with ``Q`` query rows each (a decode with
+        drafts; ``positions (B, Q)``), from tensors alone: row ``(b, j)`` attends to the
+        keys at positions ``<= positions[b, j]`` (causal within its own rows)."""
+        bs = self.block_size
+        b, w = block_tables.shape
+        keys = torch.arange(w * bs, device=block_tables.device)
+        valid = keys <= positions.unsqueeze(-1)                           # (B, Q, L)
+        slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
+        return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs,
+                                 num_decodes=positions.numel(), decode_block_tables=block_tables,
+                                 decode_valid=valid, decode_slots=slots,
+                                 decode_positions=positions)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

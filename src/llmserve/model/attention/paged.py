@@ -8,7 +8,8 @@ through the slot table directly::
     o[b, h, g, d] = sum_l softmax_l(s)[b, l, h, g] * V[slot[b, l], h, d]
 
 so inductor emits loops that load K and V rows where they live: no per-layer copy of any
-sequence's context. Run eagerly, the same formulation would materialise a G-times larger
+sequence's context. A compiled verify step (``Q`` rows per sequence: a decode with its
+drafts) adds the query axis, each row masked to the keys at or before its position. Run eagerly, the same formulation would materialise a G-times larger
 product, so eager steps gather the blocks (one contiguous copy) and call SDPA. Prefill chunks
 use the reference backend's grouped gather + SDPA.
 """
@@ -44,6 +45,27 @@ def paged_decode_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     values = load_kv(v_cache[slots], torch.float32).unsqueeze(3)  # (B, L, Hkv, 1, D)
     out = (probs.unsqueeze(-1) * values).sum(1)                 # (B, Hkv, G, D)
     return out.reshape(b, h * d).to(q.dtype)
+
+
+def paged_verify_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, valid: torch.Tensor, scale: float,
+                         softcap: Optional[float] = None) -> torch.Tensor:
+    """``paged_decode_inplace`` for ``Q`` query rows per sequence: ``q (B * Q, H, D)``,
+    ``valid (B, Q, L)`` -> ``(B * Q, H * D)``."""
+    b, nq, length = valid.shape
+    h, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[1]
+    g = h // hkv
+    qf = q.view(b, nq, 1, hkv, g, d).float()
+    keys = load_kv(k_cache[slots], torch.float32).view(b, 1, length, hkv, 1, d)
+    scores = (qf * keys).sum(-1) * scale                        # (B, Q, L, Hkv, G)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~valid.view(b, nq, length, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=2)
+    values = load_kv(v_cache[slots], torch.float32).view(b, 1, length, hkv, 1, d)
+    out = (probs.unsqueeze(-1) * values).sum(2)                 # (B, Q, Hkv, G, D)
+    return out.reshape(b * nq, h * d).to(q.dtype)
 
 
 class PagedBackend(ReferenceBackend):
@@ -84,7 +106,10 @@ class PagedBackend(ReferenceBackend):
         if nd:
             qd = q[:nd]
             valid = meta.decode_valid_for(window)
-            if torch.compiler.is_compiling():
+            if meta.decode_positions is not None:   # compiled verify step
+                outs.append(paged_verify_inplace(qd, k_cache, v_cache, meta.decode_slots,
+                                                 valid, scale, softcap))
+            elif torch.compiler.is_compiling():
                 outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
                                                  valid, scale, softcap))
             else:
