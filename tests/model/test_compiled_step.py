@@ -65,21 +65,21 @@ def test_compiled_decode_equals_eager(tiny_path, compiled_llm, batch):
 
 def test_verify_steps_with_drafts_run_compiled_and_match_eager(tiny_path):
     """n-gram drafts are verified by the compiled verify graph (k + 1 rows per sequence,
-    padded to a multiple of 4; sequences without drafts in the same step): the same
-    tokens and logits as eager verification."""
+    shorter ones padded; sequences without drafts in the same step): the same tokens and
+    logits as eager verification."""
     kw = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, speculative_method="ngram",
               num_speculative_tokens=5, ngram_min=1, ngram_max=2)
     prompts = [[9, 10, 11, 12] * 6, list(range(200, 213)), [7, 8] * 9]
     ref_tokens, ref_logits, _ = _generate(LLM(tiny_path, enforce_eager=True, **kw), prompts)
     llm = LLM(tiny_path, enforce_eager=False, **kw)
     verify = llm.engine.runner.compiled_verify
-    assert verify is not None and verify.max_rows == 8
+    assert verify is not None and verify.max_rows == 6
     shapes = []
     inner = verify._compiled
     verify._compiled = lambda *a: shapes.append(tuple(a[0].shape)) or inner(*a)
     tokens, logits, _ = _generate(llm, prompts)
     assert not verify.failed
-    assert shapes and all(rows % 4 == 0 for _, rows in shapes)
+    assert shapes and {seqs for seqs, _ in shapes} >= {1, 3}
     assert llm.engine.spec.stats.accepted_tokens > 0
     assert tokens == ref_tokens
     for got, ref in zip(logits, ref_logits):

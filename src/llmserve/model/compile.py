@@ -130,19 +130,15 @@ class CompiledDecodeStep:
         logger.info("decode step compiled for batches %s in %.1fs", self.buckets, time.time() - t0)
 
 
-#: Query rows of a compiled verify step come in multiples of this (the int4 kernel works
-#: on tiles of 4 rows, so a padded row costs nothing there).
-VERIFY_ROW_MULTIPLE = 4
-
-
 class CompiledVerifyStep:
     """Runs steps where every sequence decodes with its speculative drafts (``k + 1`` rows,
     all sampled) as one compiled graph, attention included.
 
-    Shapes: ``B`` sequences padded to a batch bucket, ``Q`` rows each padded to a multiple
-    of ``VERIFY_ROW_MULTIPLE`` (see ``InputBuffers.stage_uniform``); both dimensions are
-    dynamic, so one graph (or one per size range a kernel choice guards) serves every
-    step. Returns the logits of all ``B * Q`` rows.
+    Shapes: ``B`` sequences (not padded: a padded sequence would cost its rows in every
+    linear), ``Q`` rows each (the most of any sequence; shorter ones padded, see
+    ``InputBuffers.stage_uniform``). Both dimensions are dynamic; ``B = 1`` and a kernel
+    choice by the number of rows make a few graphs, all built by ``warmup``. Returns the
+    logits of all ``B * Q`` rows.
     """
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
@@ -154,9 +150,9 @@ class CompiledVerifyStep:
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.block_size = backend.block_size
-        self.max_rows = -(-(max_drafts + 1) // VERIFY_ROW_MULTIPLE) * VERIFY_ROW_MULTIPLE
-        self.buckets = [b for b in batch_buckets(max_num_seqs)
-                        if b <= buffers.max_seqs and b * self.max_rows <= buffers.max_tokens]
+        self.max_rows = max_drafts + 1
+        self.max_seqs = max(1, min(max_num_seqs, buffers.max_seqs,
+                                   buffers.max_tokens // self.max_rows))
         self.failed = False
         self._compiled = torch.compile(self._forward, fullgraph=True)
 
@@ -168,14 +164,10 @@ class CompiledVerifyStep:
         return self.model.compute_logits(hidden)
 
     def shape_for(self, num_seqs: int, max_rows: int) -> Optional[tuple[int, int]]:
-        """(padded sequences, rows per sequence) for a step, or None if none fits."""
-        if self.failed or max_rows > self.max_rows:
+        """(sequences, rows per sequence) of a step, or None if it does not fit."""
+        if self.failed or max_rows > self.max_rows or num_seqs > self.max_seqs:
             return None
-        rows = -(-max_rows // VERIFY_ROW_MULTIPLE) * VERIFY_ROW_MULTIPLE
-        for b in self.buckets:
-            if b >= num_seqs:
-                return b, rows
-        return None
+        return num_seqs, max_rows
 
     def __call__(self, staged: StagedStep, rows: int) -> torch.Tensor:
         """Logits ``(B * Q, vocab)`` of a staged verify step (sequence-major rows)."""
@@ -183,8 +175,8 @@ class CompiledVerifyStep:
         args = (staged.input_ids.view(seqs, rows), staged.positions.view(seqs, rows),
                 staged.slot_mapping.view(seqs, rows), staged.block_tables)
         for t in args:
-            torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
         try:
             return self._compiled(*args, self.kv_caches)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
@@ -196,14 +188,15 @@ class CompiledVerifyStep:
             return self._forward(*args, self.kv_caches)
 
     def warmup(self) -> None:
-        """Run every batch bucket with the fewest and the most rows (a kernel chosen by the
-        number of rows makes one graph per range) on dummy rows in the scratch block."""
+        """Build the graphs: one sequence and several, the fewest and the most rows (a
+        kernel chosen by the number of rows makes one graph per range), on dummy rows in
+        the scratch block."""
         from llmserve.engine.step_types import StepInput
 
         t0 = time.time()
         scratch = self.buffers.scratch_block
-        for seqs, rows in sorted({(b, r) for b in self.buckets
-                                  for r in (VERIFY_ROW_MULTIPLE, self.max_rows)}):
+        for seqs, rows in sorted({(b, r) for b in (1, min(2, self.max_seqs), self.max_seqs)
+                                  for r in (2, self.max_rows)}):
             if self.failed:
                 break
             step = StepInput()
