@@ -79,7 +79,7 @@ def test_verify_steps_with_drafts_run_compiled_and_match_eager(tiny_path):
     verify._compiled = lambda *a: shapes.append(tuple(a[0].shape)) or inner(*a)
     tokens, logits, _ = _generate(llm, prompts)
     assert not verify.failed
-    assert shapes and {seqs for seqs, _ in shapes} >= {1, 3}
+    assert shapes and len({seqs for seqs, _ in shapes}) >= 2   # batches of several sizes
     assert llm.engine.spec.stats.accepted_tokens > 0
     assert tokens == ref_tokens
     for got, ref in zip(logits, ref_logits):
