@@ -11,7 +11,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.attention.backend import make_backend
-from llmserve.model.attention.paged import paged_decode_inplace
+from llmserve.model.attention.paged import paged_decode_inplace, paged_verify_inplace
 from llmserve.model.attention.reference import decode_group_attention
 
 from .tiny_checkpoints import make_tiny_checkpoint
@@ -72,6 +72,32 @@ def test_inplace_decode_equals_gather_sdpa(heads, kv_heads):
     compiled = torch.compile(paged_decode_inplace, dynamic=True)
     torch.testing.assert_close(compiled(q, k_cache, v_cache, meta.decode_slots, meta.decode_valid,
                                         0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 20.0)])
+def test_inplace_verify_rows_equal_one_decode_per_row(window, softcap):
+    """Q rows per sequence, each masked to the keys at or before its position (and inside
+    a sliding window): every row equals a decode whose context ends at that row."""
+    torch.manual_seed(1)
+    bs, d, heads, kv_heads, q_rows = 16, 32, 4, 2, 3
+    k_cache = torch.randn(20 * bs, kv_heads, d)
+    v_cache = torch.randn(20 * bs, kv_heads, d)
+    tables = torch.tensor([[1, 5, 7], [2, 3, 19]])
+    positions = torch.tensor([[30, 31, 32], [12, 13, 13]])   # second: one padded row
+    q = torch.randn(2 * q_rows, heads, d)
+    backend = make_backend("paged", heads, kv_heads, d, bs)
+    meta = backend.verify_metadata(torch.zeros(2 * q_rows, dtype=torch.long), tables, positions)
+    got = paged_verify_inplace(q, k_cache, v_cache, meta.decode_slots,
+                               meta.decode_valid_for(window), 0.125, softcap)
+    for b in range(2):
+        for j in range(q_rows):
+            ctx = positions[b, j:j + 1] + 1
+            one = backend.decode_metadata(torch.zeros(1, dtype=torch.long), tables[b:b + 1], ctx)
+            ref = paged_decode_inplace(q[b * q_rows + j:b * q_rows + j + 1], k_cache, v_cache,
+                                       one.decode_slots, one.decode_valid_for(window), 0.125,
+                                       softcap)
+            torch.testing.assert_close(got[b * q_rows + j:b * q_rows + j + 1], ref,
+                                       atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_backend_is_a_clear_error(tiny_path):
