@@ -88,9 +88,9 @@ def test_verify_steps_with_drafts_run_compiled_and_match_eager(tiny_path):
 
 
 def test_buckets_cover_max_num_seqs():
-    assert batch_buckets(1) == [2]
-    assert batch_buckets(8) == [2, 4, 8]
-    assert batch_buckets(48) == [2, 4, 8, 16, 32, 64]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_compile_failure_falls_back_to_eager(tiny_path, monkeypatch, caplog):

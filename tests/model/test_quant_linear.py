@@ -145,6 +145,19 @@ def test_int8_both_kernels_match_dense(rows, outputs):
     assert rel_err(layer(x.to(torch.bfloat16)), x.to(torch.bfloat16).float() @ w.T) <= 0.015
 
 
+def test_int8_one_row_compiled_is_a_fused_reduction_matching_the_pack_kernel():
+    """One row inside a compiled graph takes the fused int8 reduction (the LM head of a
+    batch-1 decode): the same product as _weight_int8pack_mm, to bf16 rounding."""
+    w = torch.randn(2000, 96) * 0.1
+    layer = linear(Int8LinearMethod(), 2000, cols=96)
+    layer.load("weight", w)
+    x = torch.randn(1, 96).to(torch.bfloat16)
+    eager = layer(x)
+    compiled = torch.compile(lambda t: layer(t), fullgraph=True)(x)
+    assert rel_err(compiled, eager.float()) <= 0.01
+    assert rel_err(compiled, x.float() @ w.T) <= 0.015
+
+
 def test_int4_pads_output_rows_to_the_kernel_tile():
     w = torch.randn(24, 64)                   # 24 rows: not a multiple of 16
     g = quantize_int4(w, 32)

@@ -107,11 +107,13 @@ class ModelRunner:
                         "the compiled graph)")
         if not eager and not self.model.compile_unsupported and self.parallel is None:  # no TP
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
-                                               self.buffers, cfg.max_num_seqs, self.device)
+                                               self.buffers, cfg.max_num_seqs, self.device,
+                                               static_model=self.lora is None)
             if cfg.speculative_method and self.backend.name == "paged":
                 self.compiled_verify = CompiledVerifyStep(
                     self.model, self.backend, self.kv_caches, self.buffers,
-                    min(cfg.max_num_seqs, cfg.speculative_max_batch), cfg.num_speculative_tokens)
+                    min(cfg.max_num_seqs, cfg.speculative_max_batch), cfg.num_speculative_tokens,
+                    static_model=self.lora is None)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
                     "attention %s; %s", self.num_blocks, self.block_size,
                     self.kv.pool_bytes / 2**30, str(self.kv_dtype).replace("torch.", ""),

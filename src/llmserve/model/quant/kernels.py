@@ -249,7 +249,8 @@ def _int8_tiled_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
 class Int8Weight(nn.Module):
     """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
-    Few rows use ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the int8 bytes);
+    One row in a compiled graph is a fused reduction; few rows use
+    ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the int8 bytes);
     from :data:`INT8_GEMM_MIN_ROWS` rows on (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights),
     bf16 tiles of the weight feed a dense GEMM (:func:`int8_tiled_mm`), whose cost grows far
     slower with the row count.
@@ -270,6 +271,11 @@ class Int8Weight(nn.Module):
             INT8_GEMM_MIN_ROWS
         if x2.shape[0] >= min_rows:
             y = int8_tiled_mm(x2, self.qweight, self.scale)
+        elif x2.shape[0] == 1 and torch.compiler.is_compiling():
+            # one row in a compiled graph: inductor fuses this into one reduction over the
+            # int8 bytes, 1.4x faster than the pack kernel at the default model's LM head
+            # (the eager form would materialise an (N, K) float product)
+            y = ((self.qweight.float() * x2.float()).sum(-1) * self.scale.float()).unsqueeze(0)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
