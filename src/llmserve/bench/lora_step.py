@@ -16,9 +16,9 @@ import json
 import os
 import statistics
 import tempfile
-import time
-from typing import Callable, Optional
+from typing import Callable
 
+from llmserve.bench.quant_step import time_steps
 from llmserve.engine.lora_registry import SUPPORTED_TARGETS
 
 VARIANTS = ("off", "on-base", "one-adapter", "mixed")
@@ -49,37 +49,6 @@ def write_random_adapter(folder: str, mc, rank: int, seed: int) -> str:
     return folder
 
 
-def _fill(engine, tag: str, batch: int, prompt_len: int, max_tokens: int,
-          loras: list[Optional[str]]) -> None:
-    from llmserve.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        prompt = [1000 + (i * 7 + j) % 20000 for j in range(prompt_len)]
-        engine.add_request(f"{tag}-{i}", prompt, params, lora=loras[i % len(loras)])
-    while any(r.num_computed_tokens < r.num_prompt_tokens
-              for r in engine.scheduler.requests.values()):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-
-
-def run(engines: dict, loras: dict, batch: int, prompt_len: int, steps: int) -> dict:
-    """Milliseconds of ``steps`` interleaved decode steps per variant at ``batch``."""
-    for name, engine in engines.items():
-        _fill(engine, f"bl-{batch}-{name}", batch, prompt_len, steps + 8, loras[name])
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(steps):
-        for name, engine in engines.items():
-            t = time.perf_counter()
-            engine.step()
-            times[name].append((time.perf_counter() - t) * 1000)
-    for engine in engines.values():
-        for rid in list(engine._requests):
-            engine.abort_request(rid)
-    return times
-
-
 def cmd_lora(args: argparse.Namespace, make_config: Callable) -> int:
     from llmserve.llm_engine import LLMEngine
 
@@ -100,7 +69,7 @@ def cmd_lora(args: argparse.Namespace, make_config: Callable) -> int:
     loras = {"off": [None], "on-base": [None], "one-adapter": names[:1], "mixed": names}
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        times = run(engines, loras, b, args.prompt_len, args.steps)
+        times = time_steps(engines, b, args.prompt_len, args.steps, loras)
         off = statistics.median(times["off"])
         for name, ms in times.items():
             ms.sort()

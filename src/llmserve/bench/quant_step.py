@@ -14,16 +14,22 @@ import dataclasses
 import json
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 
-def _fill(engine, tag: str, batch: int, prompt_len: int, max_tokens: int) -> None:
+def _fill(engine, tag: str, batch: int, prompt_len: int, max_tokens: int,
+          loras: Optional[list[Optional[str]]] = None) -> None:
+    """Start ``batch`` greedy requests (round-robin over ``loras`` adapter names when
+    given) and run until all of them decode."""
     from llmserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):
         prompt = [1000 + (i * 7 + j) % 20000 for j in range(prompt_len)]
-        engine.add_request(f"{tag}-{i}", prompt, params)
+        if loras:
+            engine.add_request(f"{tag}-{i}", prompt, params, lora=loras[i % len(loras)])
+        else:
+            engine.add_request(f"{tag}-{i}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens
               for r in engine.scheduler.requests.values()):
         engine.step()
@@ -31,10 +37,13 @@ def _fill(engine, tag: str, batch: int, prompt_len: int, max_tokens: int) -> Non
         engine.step()
 
 
-def time_steps(engines: dict, batch: int, prompt_len: int, steps: int) -> dict[str, list[float]]:
-    """Milliseconds of ``steps`` interleaved decode steps per engine at ``batch`` sequences."""
+def time_steps(engines: dict, batch: int, prompt_len: int, steps: int,
+               loras: Optional[dict] = None) -> dict[str, list[float]]:
+    """Milliseconds of ``steps`` interleaved decode steps per engine at ``batch`` sequences
+    (``loras``: engine name -> the adapter names its requests take in turn)."""
     for name, engine in engines.items():
-        _fill(engine, f"bq-{batch}-{name}", batch, prompt_len, steps + 8)
+        _fill(engine, f"bq-{batch}-{name}", batch, prompt_len, steps + 8,
+              (loras or {}).get(name))
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
         for name, engine in engines.items():

@@ -52,6 +52,20 @@ def _configure_caches() -> None:
         pass
 
 
+def _run_compiled(step, what: str, args: tuple) -> torch.Tensor:
+    """``step``'s compiled graph on ``args``; on a compiler failure, a warning and the eager
+    forward from then on (``step.failed``)."""
+    try:
+        return step._compiled(*args, step.kv_caches)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
+        if step.failed:
+            raise
+        step.failed = True
+        logger.warning("compiling the %s step failed (%s: %s); running eagerly", what,
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return step._forward(*args, step.kv_caches)
+
+
 def compile_options(static_model: bool) -> dict:
     """torch.compile options: skip the guards on the model's modules when nothing in them
     changes after loading (their tensors are still read afresh at every call)."""
@@ -115,15 +129,7 @@ class CompiledDecodeStep:
             for t in args:
                 torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(staged.block_tables, 1)
-        try:
-            return self._compiled(*args, self.kv_caches)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
-            if self.failed:
-                raise
-            self.failed = True
-            logger.warning("compiling the decode step failed (%s: %s); running eagerly",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            return self._forward(*args, self.kv_caches)
+        return _run_compiled(self, "decode", args)
 
     def warmup(self) -> None:
         """Run every bucket once on dummy rows (they touch only the scratch block)."""
@@ -194,15 +200,7 @@ class CompiledVerifyStep:
         for t in args:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 1)
-        try:
-            return self._compiled(*args, self.kv_caches)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
-            if self.failed:
-                raise
-            self.failed = True
-            logger.warning("compiling the verify step failed (%s: %s); running eagerly",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            return self._forward(*args, self.kv_caches)
+        return _run_compiled(self, "verify", args)
 
     def warmup(self) -> None:
         """Build the graphs: one sequence and several, the fewest and the most rows (a

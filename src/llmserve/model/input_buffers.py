@@ -61,6 +61,17 @@ class InputBuffers:
         self._np = self._host.numpy()
         self._arange = np.arange(max(max_tokens, self.max_blocks), dtype=np.int64)
 
+    def _tables_shape(self, starts: list[int], qlens: list[int],
+                      block_size: int) -> tuple[list[int], list[int], int]:
+        """Context lengths, block-table widths and the staged width (at least 2: a dynamic
+        dimension of the compiled graphs) of sequences after this step."""
+        ctx = [s + n for s, n in zip(starts, qlens)]
+        widths = [-(-c // block_size) for c in ctx]
+        w = max(2, max(widths))
+        if w > self.max_blocks:
+            raise ValueError(f"a context of {max(ctx)} tokens exceeds the buffers")
+        return ctx, widths, w
+
     def stage(self, step: StepInput, order: list[int], block_size: int,
               pad_to: Optional[int] = None) -> StagedStep:
         """Fill the buffers with ``step``'s sequences in ``order`` (padded to ``pad_to`` rows)."""
@@ -72,11 +83,7 @@ class InputBuffers:
         if t > self.max_tokens or rows > self.max_seqs:
             raise ValueError(f"step of {t} tokens / {rows} sequences exceeds the buffers "
                              f"({self.max_tokens} / {self.max_seqs})")
-        ctx = [s + n for s, n in zip(starts, qlens)]
-        widths = [-(-c // block_size) for c in ctx]
-        w = max(2, max(widths))
-        if w > self.max_blocks:
-            raise ValueError(f"a context of {max(ctx)} tokens exceeds the buffers")
+        ctx, widths, w = self._tables_shape(starts, qlens, block_size)
         buf = self._np
         o_ids, o_pos, o_slot, o_ctx = 0, t, 2 * t, 3 * t
         o_bt = o_ctx + rows
@@ -136,11 +143,7 @@ class InputBuffers:
         if t > self.max_tokens or seqs > self.max_seqs or b > seqs or max(qlens) > rows:
             raise ValueError(f"a verify step of {b} x {max(qlens)} tokens does not fit "
                              f"{seqs} x {rows} rows of the buffers")
-        ctx = [s + n for s, n in zip(starts, qlens)]
-        widths = [-(-c // block_size) for c in ctx]
-        w = max(2, max(widths))
-        if w > self.max_blocks:
-            raise ValueError(f"a context of {max(ctx)} tokens exceeds the buffers")
+        ctx, widths, w = self._tables_shape(starts, qlens, block_size)
         buf = self._np
         o_pos, o_slot, o_ctx = t, 2 * t, 3 * t
         o_bt = o_ctx + seqs
