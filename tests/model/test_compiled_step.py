@@ -87,6 +87,21 @@ def test_verify_steps_with_drafts_run_compiled_and_match_eager(tiny_path):
     assert llm.engine.kv.num_used_blocks == 0
 
 
+def test_two_models_in_one_process_never_share_a_graph(tiny_path, compiled_llm):
+    """Graphs skip the guards on a static model's modules, so each compiled step owns its
+    code object: the same checkpoint with LoRA wrappers (same input shapes, other modules)
+    compiles its own graph instead of running the first one's (which fails on them)."""
+    prompts = [[5, 6, 7, 8]]
+    compiled_llm.generate(prompts, GREEDY)   # the plain model's graph exists
+    kw = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8)
+    ref = LLM(tiny_path, enforce_eager=True, **kw).generate(prompts, GREEDY)
+    llm = LLM(tiny_path, enforce_eager=False, max_loras=1, **kw)
+    assert llm.engine.runner.lora is not None
+    got = llm.generate(prompts, GREEDY)
+    assert not llm.engine.runner.compiled.failed
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
 def test_buckets_cover_max_num_seqs():
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]

@@ -17,9 +17,11 @@ step falls back to eager with a warning.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+import types
 from typing import Optional
 
 import torch
@@ -66,6 +68,20 @@ def _run_compiled(step, what: str, args: tuple) -> torch.Tensor:
         return step._forward(*args, step.kv_caches)
 
 
+_instances = itertools.count()
+
+
+def own_code(method):
+    """``method`` (bound) as a function with a code object of its own: dynamo keeps compiled
+    graphs per code object, so another instance (another model in the same process) can
+    never run this one's graphs, even with the module guards skipped."""
+    func = method.__func__
+    code = func.__code__.replace(co_name=f"{func.__name__}_{next(_instances)}")
+    clone = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__,
+                               func.__closure__)
+    return types.MethodType(clone, method.__self__)
+
+
 def compile_options(static_model: bool) -> dict:
     """torch.compile options: skip the guards on the model's modules when nothing in them
     changes after loading (their tensors are still read afresh at every call)."""
@@ -100,7 +116,7 @@ class CompiledDecodeStep:
         self.buckets = [b for b in batch_buckets(max_num_seqs) if b <= buffers.max_seqs] or \
             [buffers.max_seqs]
         self.failed = False
-        self._compiled = torch.compile(self._forward, fullgraph=True,
+        self._compiled = torch.compile(own_code(self._forward), fullgraph=True,
                                        options=compile_options(static_model))
         self._warm: set[int] = set()
 
@@ -176,7 +192,7 @@ class CompiledVerifyStep:
         self.max_seqs = max(1, min(max_num_seqs, buffers.max_seqs,
                                    buffers.max_tokens // self.max_rows))
         self.failed = False
-        self._compiled = torch.compile(self._forward, fullgraph=True,
+        self._compiled = torch.compile(own_code(self._forward), fullgraph=True,
                                        options=compile_options(static_model))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
