@@ -172,7 +172,8 @@ class ModelRunner:
         verify = None   # (sequences, rows) of a compiled verify step
         if plain and not compiled and self.compiled_verify is not None and all(
                 n == s for n, s in zip(step.num_new_tokens, step.num_samples)):
-            verify = self.compiled_verify.shape_for(step.num_seqs, max(step.num_new_tokens))
+            verify = self.compiled_verify.shape_for(step.num_seqs, max(step.num_new_tokens),
+                                                    step.num_tokens)
         if verify is not None:
             staged = self.buffers.stage_uniform(step, order, self.block_size, rows=verify[1],
                                                  seqs=verify[0])
