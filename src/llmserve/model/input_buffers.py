@@ -61,6 +61,12 @@ class InputBuffers:
         self._np = self._host.numpy()
         self._arange = np.arange(max(max_tokens, self.max_blocks), dtype=np.int64)
 
+    def _on_device(self, end: int) -> torch.Tensor:
+        """The first ``end`` staged values on the device: one copy (a view on CPU)."""
+        if self.device.type == "cpu":
+            return self._host[:end]
+        return self._host[:end].to(self.device, non_blocking=True)
+
     def _tables_shape(self, starts: list[int], qlens: list[int],
                       block_size: int) -> tuple[list[int], list[int], int]:
         """Context lengths, block-table widths and the staged width (at least 2: a dynamic
@@ -89,9 +95,7 @@ class InputBuffers:
         o_bt = o_ctx + rows
         end = o_bt + rows * w
         ids = buf[o_ids:o_pos]
-        offsets = np.zeros(len(step.num_new_tokens) + 1, dtype=np.int64)
-        np.cumsum(step.num_new_tokens, out=offsets[1:])
-        src = np.asarray(step.token_ids, dtype=np.int64)
+        offsets, src = _token_offsets(step)
         decode_only = t == rows and all(n == 1 for n in qlens)
         if decode_only:
             ids[:b] = src[np.asarray(order, dtype=np.int64)] if b else 0
@@ -116,8 +120,7 @@ class InputBuffers:
         buf[o_ctx + b:o_bt] = 1
         seq_of_token = np.repeat(self._arange[:rows], lens_np)
         buf[o_slot:o_ctx] = (bt[seq_of_token, pos // block_size] * block_size + pos % block_size)
-        dev = self._host[:end].to(self.device, non_blocking=True) \
-            if self.device.type != "cpu" else self._host[:end]
+        dev = self._on_device(end)
         num_decodes = 0
         for n in qlens:
             if n != 1:
@@ -156,9 +159,7 @@ class InputBuffers:
         pos.fill(0)
         slot.fill(self.scratch_block * block_size)
         bt.fill(self.scratch_block)
-        offsets = np.zeros(len(step.num_new_tokens) + 1, dtype=np.int64)
-        np.cumsum(step.num_new_tokens, out=offsets[1:])
-        src = np.asarray(step.token_ids, dtype=np.int64)
+        offsets, src = _token_offsets(step)
         for p, (i, n, s0) in enumerate(zip(order, qlens, starts)):
             table = step.block_tables[i]
             bt[p, :len(table)] = table
@@ -168,11 +169,18 @@ class InputBuffers:
             slot[p, :n] = bt[p, pos[p, :n] // block_size] * block_size + pos[p, :n] % block_size
         buf[o_ctx:o_ctx + b] = ctx
         buf[o_ctx + b:o_bt] = 1
-        dev = self._host[:end].to(self.device, non_blocking=True) \
-            if self.device.type != "cpu" else self._host[:end]
+        dev = self._on_device(end)
         return StagedStep(
             input_ids=dev[:o_pos], positions=dev[o_pos:o_slot], slot_mapping=dev[o_slot:o_ctx],
             context_lens=dev[o_ctx:o_bt], block_tables=dev[o_bt:end].view(seqs, w),
             num_seqs=b, num_decodes=seqs, query_lens=qlens + [rows] * (seqs - b),
             context_lens_host=ctx + [1] * (seqs - b), table_widths=widths + [1] * (seqs - b),
             row_starts=[p * rows for p in range(seqs)])
+
+
+def _token_offsets(step: StepInput) -> tuple[np.ndarray, np.ndarray]:
+    """Where each sequence's new tokens start in ``step.token_ids`` (plus the end), and
+    those tokens as an int64 array."""
+    offsets = np.zeros(len(step.num_new_tokens) + 1, dtype=np.int64)
+    np.cumsum(step.num_new_tokens, out=offsets[1:])
+    return offsets, np.asarray(step.token_ids, dtype=np.int64)
