@@ -226,7 +226,11 @@ class CausalLM(nn.Module, ABC):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``(N, vocab)`` of selected hidden rows (soft-capped if configured)."""
-        logits = self.lm_head(self.norm(hidden))
+        return self.logits_of_normed(self.norm(hidden))
+
+    def logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of rows already through the final norm (see :meth:`compute_logits`)."""
+        logits = self.lm_head(normed)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -230,10 +230,19 @@ INT8_WIDE_OUTPUTS = 16384
 _TILE_ELEMENTS = 1 << 21      # ~4 MB of bf16 per dequantized tile: stays in the L3 cache
 
 
-@torch.library.custom_op("llmserve::int8_tiled_mm", mutates_args=())
-def int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x (M, K) bf16 @ (q * scale)^T`` through bf16 tiles of ~4 MB (for larger M)."""
+def _int8_gemm_min_rows(out_features: int) -> int:
+    return INT8_GEMM_MIN_ROWS_WIDE if out_features >= INT8_WIDE_OUTPUTS else INT8_GEMM_MIN_ROWS
+
+
+@torch.library.custom_op("llmserve::int8_mm", mutates_args=())
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x (M, K) bf16 @ (q * scale)^T``: ``_weight_int8pack_mm`` for few rows, bf16 tiles of
+    ~4 MB and a dense GEMM from :func:`_int8_gemm_min_rows` rows on. One opaque op, so a
+    compiled graph with a dynamic batch holds one graph for every row count, not one per
+    side of the threshold."""
     n, k = q.shape
+    if x.shape[0] < _int8_gemm_min_rows(n):
+        return torch.ops.aten._weight_int8pack_mm(x, q, scale)
     rows = max(64, _TILE_ELEMENTS // k)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for start in range(0, n, rows):
@@ -241,8 +250,8 @@ def int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torc
     return out.mul_(scale)
 
 
-@int8_tiled_mm.register_fake
-def _int8_tiled_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@int8_mm.register_fake
+def _int8_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 
@@ -252,7 +261,7 @@ class Int8Weight(nn.Module):
     One row in a compiled graph is a fused reduction; few rows use
     ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the int8 bytes);
     from :data:`INT8_GEMM_MIN_ROWS` rows on (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights),
-    bf16 tiles of the weight feed a dense GEMM (:func:`int8_tiled_mm`), whose cost grows far
+    bf16 tiles of the weight feed a dense GEMM (:func:`int8_mm`), whose cost grows far
     slower with the row count.
     """
 
@@ -267,17 +276,13 @@ class Int8Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        min_rows = INT8_GEMM_MIN_ROWS_WIDE if self.out_features >= INT8_WIDE_OUTPUTS else \
-            INT8_GEMM_MIN_ROWS
-        if x2.shape[0] >= min_rows:
-            y = int8_tiled_mm(x2, self.qweight, self.scale)
-        elif x2.shape[0] == 1 and torch.compiler.is_compiling():
+        if x2.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph: inductor fuses this into one reduction over the
-            # int8 bytes, 1.4x faster than the pack kernel at the default model's LM head
-            # (the eager form would materialise an (N, K) float product)
+            # int8 bytes, 1.4-1.5x faster than the pack kernel at the default model's LM
+            # head (the eager form would materialise an (N, K) float product)
             y = ((self.qweight.float() * x2.float()).sum(-1) * self.scale.float()).unsqueeze(0)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+            y = int8_mm(x2, self.qweight, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
