@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Callable
 
 import torch
 
@@ -66,7 +67,33 @@ def packed_bytes(pid: int) -> int:
     return _packed_bytes.get(pid, 0)
 
 
-@torch.library.custom_op("llmserve::packed_linear", mutates_args=())
+_LIB = torch.library.Library("llmserve", "FRAGMENT")
+
+
+def cpu_op(schema: str, fake: Callable[..., torch.Tensor]):
+    """Decorator: define the operator ``llmserve::<schema>`` with the decorated function as
+    its CPU kernel and ``fake`` as its shape function (for ``torch.compile``); returns the
+    operator. Compiled graphs call such an op from their wrapper as an external kernel.
+
+    Plain ``Library`` registration, not ``torch.library.custom_op``: a call costs ~17 µs
+    against ~34 µs (custom_op's Python layers), which at 121 dense linears a step was 2 ms
+    of the default model's bf16 batch-1 step."""
+    name = schema.split("(", 1)[0]
+
+    def register(fn: Callable[..., torch.Tensor]):
+        _LIB.define(schema)
+        _LIB.impl(name, fn, "CPU")
+        torch.library.register_fake(f"llmserve::{name}", fake, lib=_LIB)
+        return getattr(torch.ops.llmserve, name).default
+
+    return register
+
+
+def _packed_linear_fake(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@cpu_op("packed_linear(Tensor x, int pid, int out_features) -> Tensor", _packed_linear_fake)
 def packed_linear(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
     """``x @ W^T`` for the prepacked weight ``pid`` (bf16)."""
     weight = _owners.get(pid)
@@ -75,8 +102,3 @@ def packed_linear(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
     shape = x.shape
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, None, "none", [], "")
     return y.view(*shape[:-1], out_features)
-
-
-@packed_linear.register_fake
-def _packed_linear_fake(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model.layers.cpu_kernels import cpu_op
+
 logger = logging.getLogger(__name__)
 
 #: Activation and scale dtype of both kernels.
@@ -138,7 +140,13 @@ def unpack_int4_columns(packed: torch.Tensor, start: int, cols: int) -> torch.Te
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
-@torch.library.custom_op("llmserve::int4_tiled_mm", mutates_args=())
+def _int4_tiled_mm_fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@cpu_op("int4_tiled_mm(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor",
+        _int4_tiled_mm_fake)
 def int4_tiled_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
                   group_size: int) -> torch.Tensor:
     """``x (M, K) bf16 @ W^T`` for the kernel's packed int4 weight and its (K/g, N, 2)
@@ -157,12 +165,6 @@ def int4_tiled_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
         w = torch.addcmul(zero, q.to(x.dtype).sub_(8), scale)          # one bf16 rounding
         out[:, start:start + cols] = torch.matmul(x, w.view(k, cols))
     return out
-
-
-@int4_tiled_mm.register_fake
-def _int4_tiled_mm_fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                        group_size: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 class Int4Weight(nn.Module):
@@ -234,7 +236,11 @@ def _int8_gemm_min_rows(out_features: int) -> int:
     return INT8_GEMM_MIN_ROWS_WIDE if out_features >= INT8_WIDE_OUTPUTS else INT8_GEMM_MIN_ROWS
 
 
-@torch.library.custom_op("llmserve::int8_mm", mutates_args=())
+def _int8_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@cpu_op("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor", _int8_mm_fake)
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x (M, K) bf16 @ (q * scale)^T``: ``_weight_int8pack_mm`` for few rows, bf16 tiles of
     ~4 MB and a dense GEMM from :func:`_int8_gemm_min_rows` rows on. One opaque op, so a
@@ -248,11 +254,6 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     for start in range(0, n, rows):
         out[:, start:start + rows] = F.linear(x, q[start:start + rows].to(x.dtype))
     return out.mul_(scale)
-
-
-@int8_mm.register_fake
-def _int8_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], q.shape[0])
 
 
 class Int8Weight(nn.Module):
