@@ -158,6 +158,24 @@ def test_int8_one_row_compiled_is_a_fused_reduction_matching_the_pack_kernel():
     assert rel_err(compiled, x.float() @ w.T) <= 0.015
 
 
+def test_int8_rows_on_both_sides_of_the_tile_threshold_share_one_compiled_graph():
+    """The pack kernel / tiles choice is made inside one op (``llmserve::int8_mm``), so a
+    graph compiled with a dynamic batch serves 2 rows and 33 rows without a recompile, and
+    gives the eager products."""
+    from torch._dynamo.utils import counters
+
+    w = torch.randn(17000, 96) * 0.1
+    layer = linear(Int8LinearMethod(), 17000, cols=96)
+    layer.load("weight", w)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda t: layer(t) * 2, fullgraph=True, dynamic=True)
+    for rows in (2, 4, 5, 33):      # wide weight: the pack kernel below 5 rows, tiles from 5
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        assert rel_err(step(x), layer(x).float() * 2) <= 0.01
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_int4_pads_output_rows_to_the_kernel_tile():
     w = torch.randn(24, 64)                   # 24 rows: not a multiple of 16
     g = quantize_int4(w, 32)
