@@ -187,7 +187,7 @@ def test_int4_pads_output_rows_to_the_kernel_tile():
     assert rel_err(y, ref) <= 0.01
 
 
-@pytest.mark.parametrize("n", [24, 960, 4112])
+@pytest.mark.parametrize("n", [24, 960, 4112, 8208])   # 8208: two tiles at K = 256
 def test_int4_many_rows_dequantize_tiles_of_the_packed_weight(n):
     """From INT4_GEMM_MIN_ROWS rows on, bf16 tiles read back from the kernel's own packed
     bytes feed a GEMM: the same product, and no second copy of the weights."""

@@ -155,16 +155,26 @@ def int4_tiled_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
     n, half = packed.shape
     k = 2 * half
     cols_per_tile = max(_PACK_BLOCK_N, (1 << 21) // k // _PACK_BLOCK_N * _PACK_BLOCK_N)
+    if n <= cols_per_tile:   # one tile (every weight of a small model): no output copy
+        return torch.matmul(x, _int4_tile(packed, scales_zeros, group_size, 0, n, x.dtype))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for start in range(0, n, cols_per_tile):
         cols = min(cols_per_tile, n - start)
-        q = unpack_int4_columns(packed, start, cols).view(k // group_size, group_size, cols)
-        sz = scales_zeros[:, start:start + cols]                        # (K/g, cols, 2)
-        scale = sz[..., 0].contiguous().unsqueeze(1)    # contiguous: broadcasting a strided
-        zero = sz[..., 1].contiguous().unsqueeze(1)     # view runs ~8x slower
-        w = torch.addcmul(zero, q.to(x.dtype).sub_(8), scale)          # one bf16 rounding
-        out[:, start:start + cols] = torch.matmul(x, w.view(k, cols))
+        out[:, start:start + cols] = torch.matmul(
+            x, _int4_tile(packed, scales_zeros, group_size, start, cols, x.dtype))
     return out
+
+
+def _int4_tile(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, start: int,
+               cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized ``(K, cols)`` weights of output rows ``[start, start + cols)``."""
+    k = 2 * packed.shape[1]
+    q = unpack_int4_columns(packed, start, cols).view(k // group_size, group_size, cols)
+    sz = scales_zeros[:, start:start + cols]                            # (K/g, cols, 2)
+    scale = sz[..., 0].contiguous().unsqueeze(1)        # contiguous: broadcasting a strided
+    zero = sz[..., 1].contiguous().unsqueeze(1)         # view runs ~8x slower
+    w = torch.addcmul(zero, q.to(dtype).sub_(8), scale)                 # one bf16 rounding
+    return w.view(k, cols)
 
 
 class Int4Weight(nn.Module):
