@@ -127,3 +127,30 @@ def test_compile_failure_falls_back_to_eager(tiny_path, monkeypatch, caplog):
     assert step.failed
     assert "running eagerly" in caplog.text
     assert got == ref.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+
+
+def test_long_prefill_uses_the_compiled_norm_and_matches_eager(tiny_path, compiled_llm):
+    """A compiling engine gives its RMSNorms a compiled many-row norm (prefill chunks of 64+
+    rows); the logits stay those of the eager engine, whose norms stay plain."""
+    from llmserve.model.layers.norm import COMPILED_NORM_MIN_ROWS, RMSNorm
+
+    compiled_norms = [m for m in compiled_llm.engine.runner.model.modules()
+                      if isinstance(m, RMSNorm)]
+    assert compiled_norms and all(m.rows_norm is not None for m in compiled_norms)
+    eager = LLM(tiny_path, dtype="float32", num_kv_blocks=128, max_num_seqs=8,
+                enforce_eager=True)
+    assert all(m.rows_norm is None for m in eager.engine.runner.model.modules()
+               if isinstance(m, RMSNorm))
+    calls = []
+    norm = compiled_norms[0]
+    inner = norm.rows_norm
+    norm.rows_norm = lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+    try:
+        prompts = [list(range(200, 200 + COMPILED_NORM_MIN_ROWS + 30))]
+        ref_tokens, ref_logits, _ = _generate(eager, prompts)
+        tokens, logits, _ = _generate(compiled_llm, prompts)
+    finally:
+        norm.rows_norm = inner
+    assert calls and max(calls) >= COMPILED_NORM_MIN_ROWS
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits[0], ref_logits[0], atol=2e-4, rtol=1e-3)

@@ -22,6 +22,7 @@ from llmserve.model.compile import CompiledDecodeStep, CompiledVerifyStep
 from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
+from llmserve.model.layers.norm import enable_compiled_norm
 from llmserve.model.loader import CheckpointSource
 from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.lora import LoraManager
@@ -146,8 +147,10 @@ class ModelRunner:
             self.parallel.shutdown()
 
     def warmup(self) -> None:
-        """Compile the decode step for every batch bucket now (else on first use)."""
+        """Compile the decode step for every batch bucket now (else on first use), and the
+        norm of eager many-row steps."""
         if self.compiled is not None:
+            enable_compiled_norm(self.model, self.dtype, self.device)
             self.compiled.warmup()
         if self.compiled_verify is not None:
             self.compiled_verify.warmup()
