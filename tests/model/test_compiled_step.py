@@ -113,8 +113,7 @@ def test_compile_failure_falls_back_to_eager(tiny_path, monkeypatch, caplog):
     runner = llm.engine.runner
     from llmserve.model.compile import CompiledDecodeStep
 
-    step = CompiledDecodeStep(runner.model, runner.backend, runner.kv_caches, runner.buffers, 2,
-                              runner.device)
+    step = CompiledDecodeStep(runner.model, runner.backend, runner.kv_caches, runner.buffers, 2)
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor exploded")

@@ -14,12 +14,11 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
 from typing import Callable
 
-from llmserve.bench.quant_step import time_steps
-from llmserve.engine.lora_registry import SUPPORTED_TARGETS
+from llmserve.bench.quant_step import step_stats, time_steps
+from llmserve.engine.lora_registry import CONFIG_FILE, SUPPORTED_TARGETS, WEIGHTS_FILE
 
 VARIANTS = ("off", "on-base", "one-adapter", "mixed")
 
@@ -29,6 +28,8 @@ def write_random_adapter(folder: str, mc, rank: int, seed: int) -> str:
     import torch
     from safetensors.torch import save_file
 
+    from llmserve.model.lora.weights import TARGET_SUBPATH
+
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     h, inter = mc.hidden_size, mc.intermediate_size
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -37,13 +38,12 @@ def write_random_adapter(folder: str, mc, rank: int, seed: int) -> str:
     tensors = {}
     for layer in range(mc.num_hidden_layers):
         for target, (fan_in, fan_out) in shapes.items():
-            group = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{group}.{target}"
+            key = f"base_model.model.model.layers.{layer}.{TARGET_SUBPATH[target]}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE))
+    with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
                    "target_modules": list(SUPPORTED_TARGETS)}, f)
     return folder
@@ -53,16 +53,14 @@ def cmd_lora(args: argparse.Namespace, make_config: Callable) -> int:
     from llmserve.llm_engine import LLMEngine
 
     base = dataclasses.replace(make_config(args), lora_modules=(), max_loras=0)
-    probe = LLMEngine(dataclasses.replace(base, num_kv_blocks=16))
-    mc = probe.model_config
-    del probe
+    engines = {"off": LLMEngine(base)}
+    mc = engines["off"].model_config
     folder = tempfile.mkdtemp(prefix="llmserve-bench-lora-")
     modules = tuple((f"bench{i}", write_random_adapter(os.path.join(folder, f"a{i}"), mc,
                                                         args.rank, i))
                     for i in range(args.num_adapters))
     lora_cfg = dataclasses.replace(base, lora_modules=modules, max_loras=args.num_adapters,
                                    max_lora_rank=args.rank)
-    engines = {"off": LLMEngine(base)}
     for name in VARIANTS[1:]:
         engines[name] = LLMEngine(lora_cfg)
     names = [n for n, _ in modules]
@@ -70,12 +68,11 @@ def cmd_lora(args: argparse.Namespace, make_config: Callable) -> int:
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         times = time_steps(engines, b, args.prompt_len, args.steps, loras)
-        off = statistics.median(times["off"])
-        for name, ms in times.items():
-            ms.sort()
-            med = statistics.median(ms)
-            rows.append({"batch": b, "variant": name, "median_ms": med,
-                         "p10_ms": ms[len(ms) // 10], "ratio_to_off": med / off})
+        stats = {name: step_stats(ms) for name, ms in times.items()}
+        off = stats["off"][0]
+        for name, (med, p10) in stats.items():
+            rows.append({"batch": b, "variant": name, "median_ms": med, "p10_ms": p10,
+                         "ratio_to_off": med / off})
     first = engines["off"]
     print(f"model {first.model_name}  dtype {first.dtype}  weights {first.runner.quantization}"
           f"  {args.num_adapters} adapters of rank {args.rank}  steps {args.steps} interleaved")

@@ -26,15 +26,19 @@ def _fill(engine, tag: str, batch: int, prompt_len: int, max_tokens: int,
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):
         prompt = [1000 + (i * 7 + j) % 20000 for j in range(prompt_len)]
-        if loras:
-            engine.add_request(f"{tag}-{i}", prompt, params, lora=loras[i % len(loras)])
-        else:
-            engine.add_request(f"{tag}-{i}", prompt, params)
+        engine.add_request(f"{tag}-{i}", prompt, params,
+                           lora=loras[i % len(loras)] if loras else None)
     while any(r.num_computed_tokens < r.num_prompt_tokens
               for r in engine.scheduler.requests.values()):
         engine.step()
     for _ in range(3):
         engine.step()
+
+
+def step_stats(ms: list[float]) -> tuple[float, float]:
+    """Median and 10th percentile of step times (``ms`` is sorted in place)."""
+    ms.sort()
+    return statistics.median(ms), ms[len(ms) // 10]
 
 
 def time_steps(engines: dict, batch: int, prompt_len: int, steps: int,
@@ -68,12 +72,11 @@ def cmd_quant(args: argparse.Namespace, make_config: Callable) -> int:
     for b in batches:
         times = time_steps(engines, b, args.prompt_len, args.steps)
         for name, ms in times.items():
-            ms.sort()
-            med = statistics.median(ms)
+            med, p10 = step_stats(ms)
             rows.append({"batch": b, "quantization": name,
                          "runtime": engines[name].runner.quantization,
                          "weight_bytes": engines[name].runner.weight_bytes,
-                         "median_ms": med, "p10_ms": ms[len(ms) // 10],
+                         "median_ms": med, "p10_ms": p10,
                          "tok_per_s": b / med * 1000})
     first = next(iter(engines.values()))
     mode = "compiled" if first.runner.compiled is not None else "eager"

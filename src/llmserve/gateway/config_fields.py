@@ -76,9 +76,20 @@ def boolean(value: Any, path: str) -> bool:
     return value
 
 
-def positive_int(value: Any, path: str) -> int:
+def integer(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{path}: expected an integer, got {kind(value)}")
+    return value
+
+
+def finite_number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{path}: expected a finite number, got {kind(value)}")
+    return float(value)
+
+
+def positive_int(value: Any, path: str) -> int:
+    integer(value, path)
     if value < 1:
         raise ValueError(f"{path}: must be at least 1, got {value}")
     return value

@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from llmserve.gateway.config_fields import (Section, identifier, kind, mapping, positive_int,
-                                            positive_number, string)
+from llmserve.gateway.config_fields import (Section, finite_number, identifier, integer, kind,
+                                            mapping, positive_int, positive_number, string)
 
 #: Identity fields a release may pin; the rest comes from its target engine.
 IDENTITY_FIELDS = ("weights", "quantization", "adapter", "tokenizer", "chat_template")
@@ -41,7 +41,6 @@ IDENTITY_FIELDS = ("weights", "quantization", "adapter", "tokenizer", "chat_temp
 _FLOAT_DEFAULTS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
 _INT_DEFAULTS = ("max_tokens", "top_k", "seed")
-SAMPLING_FIELDS = _FLOAT_DEFAULTS + _INT_DEFAULTS
 
 
 def share_value(value: Any, path: str) -> float:
@@ -51,10 +50,6 @@ def share_value(value: Any, path: str) -> float:
     if not 0 <= value <= 1:
         raise ValueError(f"{path}: must be between 0 and 1, got {value}")
     return float(value)
-
-
-def _rate(value: Any, path: str) -> float:
-    return share_value(value, path)
 
 
 @dataclass(frozen=True)
@@ -200,11 +195,11 @@ def _parse_sampling(data: Mapping, path: str) -> dict[str, Any]:
     section = Section(data, path)
     out: dict[str, Any] = {}
     for key in _FLOAT_DEFAULTS:
-        value = section.take(key, _number, None)
+        value = section.take(key, finite_number, None)
         if value is not None:
             out[key] = value
     for key in _INT_DEFAULTS:
-        value = section.take(key, positive_int if key != "seed" else _integer, None)
+        value = section.take(key, positive_int if key != "seed" else integer, None)
         if value is not None:
             out[key] = value
     section.finish()
@@ -215,28 +210,16 @@ def _parse_sampling(data: Mapping, path: str) -> dict[str, Any]:
     return out
 
 
-def _number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{path}: expected a finite number, got {kind(value)}")
-    return float(value)
-
-
-def _integer(value: Any, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{path}: expected an integer, got {kind(value)}")
-    return value
-
-
 def _parse_health(data: Mapping, path: str) -> HealthThresholds:
     section = Section(data, path)
     default = HealthThresholds()
     health = HealthThresholds(
         window_s=section.take("window_s", positive_number, default.window_s),
         min_requests=section.take("min_requests", positive_int, default.min_requests),
-        max_error_rate=section.take("max_error_rate", _rate, None),
+        max_error_rate=section.take("max_error_rate", share_value, None),
         max_ttft_p95_s=section.take("max_ttft_p95_s", positive_number, None),
         max_tpot_p95_s=section.take("max_tpot_p95_s", positive_number, None),
-        min_shadow_agreement=section.take("min_shadow_agreement", _rate, None),
+        min_shadow_agreement=section.take("min_shadow_agreement", share_value, None),
         min_shadow_samples=section.take("min_shadow_samples", positive_int,
                                         default.min_shadow_samples))
     section.finish()
@@ -253,9 +236,9 @@ def _parse_gates(data: Mapping, path: str) -> GateThresholds:
                                         default.max_tpot_p95_ratio),
         min_throughput_ratio=section.take("min_throughput_ratio", positive_number,
                                           default.min_throughput_ratio),
-        min_greedy_agreement=section.take("min_greedy_agreement", _rate,
+        min_greedy_agreement=section.take("min_greedy_agreement", share_value,
                                           default.min_greedy_agreement),
-        max_error_rate=section.take("max_error_rate", _rate, default.max_error_rate),
-        min_structured_validity=section.take("min_structured_validity", _rate, None))
+        max_error_rate=section.take("max_error_rate", share_value, default.max_error_rate),
+        min_structured_validity=section.take("min_structured_validity", share_value, None))
     section.finish()
     return gates

@@ -60,7 +60,6 @@ class ReleaseHealth:
         self._samples: dict[str, Deque[_Sample]] = {}
         self._agreement: dict[str, Deque[tuple[float, float]]] = {}
         self.totals: Counter[tuple[str, str]] = Counter()   # (release, ok|error) -> count
-        self.shadow_totals: Counter[str] = Counter()          # shadow release -> comparisons
 
     def record(self, release: str, failed: bool, ttft_s: Optional[float] = None,
                tpot_s: Optional[float] = None) -> None:
@@ -74,7 +73,6 @@ class ReleaseHealth:
         """One shadow comparison of ``release`` (token agreement in [0, 1])."""
         with self._lock:
             self._agreement.setdefault(release, deque()).append((self._clock(), agreement))
-            self.shadow_totals[release] += 1
 
     def _trim(self, release: str, window_s: float) -> None:
         cutoff = self._clock() - window_s
@@ -85,12 +83,16 @@ class ReleaseHealth:
         while agreement and agreement[0][0] < cutoff:
             agreement.popleft()
 
-    def stats(self, release: str, window_s: float) -> dict[str, Any]:
-        """The window's request count, error rate, TTFT/TPOT p95 and shadow agreement."""
+    def _window(self, release: str, window_s: float) -> tuple[list[_Sample], list[float]]:
+        """The window's samples and shadow agreements (copies, taken under the lock)."""
         with self._lock:
             self._trim(release, window_s)
-            samples = list(self._samples.get(release, ()))
-            agreement = [a for _, a in self._agreement.get(release, ())]
+            return (list(self._samples.get(release, ())),
+                    [a for _, a in self._agreement.get(release, ())])
+
+    def stats(self, release: str, window_s: float) -> dict[str, Any]:
+        """The window's request count, error rate, TTFT/TPOT p95 and shadow agreement."""
+        samples, agreement = self._window(release, window_s)
         n = len(samples)
         return {
             "requests": n,
@@ -104,20 +106,24 @@ class ReleaseHealth:
     def verdict(self, release: str, limits: HealthThresholds) -> Optional[str]:
         """The first threshold ``release`` crosses (``error_rate``, ``ttft_p95``,
         ``tpot_p95``, ``shadow_agreement``), or None while it is healthy or has too
-        few samples."""
-        s = self.stats(release, limits.window_s)
-        if s["requests"] >= limits.min_requests:
-            if limits.max_error_rate is not None and s["error_rate"] > limits.max_error_rate:
+        few samples. Runs after every canary request: only the configured thresholds are
+        computed (a p95 sorts the window)."""
+        samples, agreement = self._window(release, limits.window_s)
+        n = len(samples)
+        if n >= limits.min_requests:
+            if (limits.max_error_rate is not None
+                    and sum(s.failed for s in samples) / n > limits.max_error_rate):
                 return "error_rate"
-            if (limits.max_ttft_p95_s is not None and s["ttft_p95_s"] is not None
-                    and s["ttft_p95_s"] > limits.max_ttft_p95_s):
-                return "ttft_p95"
-            if (limits.max_tpot_p95_s is not None and s["tpot_p95_s"] is not None
-                    and s["tpot_p95_s"] > limits.max_tpot_p95_s):
-                return "tpot_p95"
+            for name, limit, attr in (("ttft_p95", limits.max_ttft_p95_s, "ttft_s"),
+                                      ("tpot_p95", limits.max_tpot_p95_s, "tpot_s")):
+                if limit is None:
+                    continue
+                value = p95([v for v in (getattr(s, attr) for s in samples) if v is not None])
+                if value is not None and value > limit:
+                    return name
         if (limits.min_shadow_agreement is not None
-                and s["shadow_comparisons"] >= limits.min_shadow_samples
-                and s["shadow_agreement"] < limits.min_shadow_agreement):
+                and len(agreement) >= limits.min_shadow_samples
+                and sum(agreement) / len(agreement) < limits.min_shadow_agreement):
             return "shadow_agreement"
         return None
 

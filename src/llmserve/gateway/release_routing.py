@@ -70,7 +70,6 @@ class ReleaseRouting:
     def __init__(self, config: GatewayConfig,
                  engines: "Mapping[str, Any] | Callable[[str], Any]",
                  store: Optional[ReleaseStore] = None) -> None:
-        self.config = config
         lookup = engines if callable(engines) else dict(engines).get
         self.table = ReleaseTable(config.releases, lookup)
         self.store = store or ReleaseStore(config.database if config.releases else None)

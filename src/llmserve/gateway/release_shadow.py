@@ -90,10 +90,7 @@ class ShadowRunner:
               response: Optional[CapturedResponse]) -> bool:
         """Mirror a finished request in the background; False when it was skipped."""
         text = served_text(response)
-        if text is None or not self.eligible(ctx):
-            self.counts[(shadow.id, "skipped")] += 1
-            return False
-        if len(self._tasks) >= self.max_in_flight:
+        if text is None or not self.eligible(ctx) or len(self._tasks) >= self.max_in_flight:
             self.counts[(shadow.id, "skipped")] += 1
             return False
         task = asyncio.get_running_loop().create_task(
@@ -149,8 +146,3 @@ class ShadowRunner:
             shadow_fingerprint=shadow.fingerprint,
             exact_match=error is None and shadow_text == text, token_agreement=agreement,
             served_tokens=len(served_tokens), shadow_tokens=len(shadow_tokens), error=error)
-
-    async def drain(self) -> None:
-        """Wait for the shadow runs in flight (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)

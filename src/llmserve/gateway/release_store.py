@@ -101,7 +101,7 @@ class ReleaseStore:
         row = {"at": time.time(), "actor": actor, "model": model, "action": action,
                "reason": reason, "before": json.dumps(before, sort_keys=True),
                "after": json.dumps(after, sort_keys=True)}
-        state = json.dumps(after, sort_keys=True)
+        state = row["after"]
         if self._db is None:
             with self._lock:
                 row["event_id"] = len(self._audit) + 1

@@ -70,8 +70,8 @@ def engine_identity(engine: Any) -> dict[str, Optional[str]]:
     """What an engine reports of its artifacts (None where it does not say).
 
     Reads the loaded model's weights fingerprint and quantization, the adapter's
-    content hash (``adapter_fingerprint``, or ``lora_info["content_hash"]`` of a served
-    LoRA adapter's view), the tokenizer's fingerprint and chat template; an engine's
+    content hash (``lora_info["content_hash"]`` of a served LoRA adapter's view), the
+    tokenizer's fingerprint and chat template; an engine's
     ``fingerprint_parts()``, when it offers one, overrides them.
     """
     inner = getattr(engine, "engine", engine)
@@ -80,8 +80,7 @@ def engine_identity(engine: Any) -> dict[str, Optional[str]]:
     parts: dict[str, Optional[str]] = {
         "weights": getattr(inner, "weights_fingerprint", None),
         "quantization": getattr(runner, "quantization", None),
-        "adapter": getattr(engine, "adapter_fingerprint", None) or (
-            getattr(engine, "lora_info", None) or {}).get("content_hash"),
+        "adapter": (getattr(engine, "lora_info", None) or {}).get("content_hash"),
         "tokenizer": getattr(tokenizer, "fingerprint", None),
         "chat_template": _digest(getattr(tokenizer, "chat_template", None)),
     }
@@ -239,7 +238,7 @@ class ReleaseTable:
             for key, value in changes.items():
                 setattr(state, key, value)
             if state.canary == state.stable:
-                state.canary, state.canary_share = None, 0.0
+                state.canary = None
             if state.canary is None:
                 state.canary_share = 0.0
             state.credit = 0.0

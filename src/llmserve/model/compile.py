@@ -11,7 +11,8 @@ Python or dispatcher time and the elementwise ones fuse. Shapes::
 Batch (from 2) and width are marked dynamic, so one graph serves all buckets but batch 1,
 which has its own; the warm-up runs each bucket once. A model whose modules never change
 after loading (no LoRA slots) is compiled without guards on its modules: checking the
-guards of 30 layers' parameters cost ~1.3 ms a step, about a tenth of it. Inductor's caches live under ``~/.cache/llmserve/inductor`` (override with
+guards of 30 layers' parameters cost ~1.3 ms a step, about a tenth of it. Inductor's
+caches live under ``~/.cache/llmserve/inductor`` (override with
 ``LLMSERVE_COMPILE_CACHE``), so a restart reuses the compiled code. If compilation fails, the
 step falls back to eager with a warning.
 """
@@ -64,20 +65,6 @@ def graph_logits(model: torch.nn.Module,
     return model.logits_of_normed(normed), normed
 
 
-def _run_compiled(step, what: str, args: tuple) -> torch.Tensor:
-    """The logits of ``step``'s compiled graph on ``args``; on a compiler failure, a warning
-    and the eager forward from then on (``step.failed``)."""
-    try:
-        return step._compiled(*args, step.kv_caches)[0]
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
-        if step.failed:
-            raise
-        step.failed = True
-        logger.warning("compiling the %s step failed (%s: %s); running eagerly", what,
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return step._forward(*args, step.kv_caches)[0]
-
-
 _instances = itertools.count()
 
 
@@ -113,25 +100,51 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return out
 
 
-class CompiledDecodeStep:
-    """Runs decode-only steps through one compiled graph (eager fallback on failure)."""
+class _CompiledStep:
+    """What both compiled steps share: the model, its KV caches and staging buffers, one
+    ``torch.compile`` of the subclass's ``_forward`` (a code object of its own), and the
+    eager fallback after a compiler failure (``failed``)."""
+
+    what = "model"   # the step's name in the fallback warning
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
-                 max_num_seqs: int, device: torch.device, static_model: bool = False) -> None:
+                 static_model: bool) -> None:
         _configure_caches()
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.buffers = buffers
-        self.device = device
         self.block_size = backend.block_size
-        self.buckets = [b for b in batch_buckets(max_num_seqs) if b <= buffers.max_seqs] or \
-            [buffers.max_seqs]
         self.failed = False
         self._compiled = torch.compile(own_code(self._forward), fullgraph=True,
                                        options=compile_options(static_model))
-        self._warm: set[int] = set()
+
+    def _run(self, args: tuple) -> torch.Tensor:
+        """The logits of the compiled graph on ``args``; on a compiler failure, a warning
+        and the eager forward from then on."""
+        try:
+            return self._compiled(*args, self.kv_caches)[0]
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep serving, eagerly
+            if self.failed:
+                raise
+            self.failed = True
+            logger.warning("compiling the %s step failed (%s: %s); running eagerly", self.what,
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return self._forward(*args, self.kv_caches)[0]
+
+
+class CompiledDecodeStep(_CompiledStep):
+    """Runs decode-only steps through one compiled graph (eager fallback on failure)."""
+
+    what = "decode"
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+                 max_num_seqs: int, static_model: bool = False) -> None:
+        super().__init__(model, backend, kv_caches, buffers, static_model)
+        self.buckets = [b for b in batch_buckets(max_num_seqs) if b <= buffers.max_seqs] or \
+            [buffers.max_seqs]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -158,7 +171,7 @@ class CompiledDecodeStep:
             for t in args:
                 torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(staged.block_tables, 1)
-        return _run_compiled(self, "decode", args)
+        return self._run(args)
 
     def warmup(self) -> None:
         """Run every bucket once on dummy rows (they touch only the scratch block)."""
@@ -192,7 +205,7 @@ class CompiledDecodeStep:
 VERIFY_MAX_PADDING_ROWS = 3
 
 
-class CompiledVerifyStep:
+class CompiledVerifyStep(_CompiledStep):
     """Runs steps where every sequence decodes with its speculative drafts (``k + 1`` rows,
     all sampled) as one compiled graph, attention included.
 
@@ -203,21 +216,15 @@ class CompiledVerifyStep:
     logits of all ``B * Q`` rows.
     """
 
+    what = "verify"
+
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
                  max_num_seqs: int, max_drafts: int, static_model: bool = False) -> None:
-        _configure_caches()
-        self.model = model
-        self.backend = backend
-        self.kv_caches = kv_caches
-        self.buffers = buffers
-        self.block_size = backend.block_size
+        super().__init__(model, backend, kv_caches, buffers, static_model)
         self.max_rows = max_drafts + 1
         self.max_seqs = max(1, min(max_num_seqs, buffers.max_seqs,
                                    buffers.max_tokens // self.max_rows))
-        self.failed = False
-        self._compiled = torch.compile(own_code(self._forward), fullgraph=True,
-                                       options=compile_options(static_model))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -244,7 +251,7 @@ class CompiledVerifyStep:
         for t in args:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 1)
-        return _run_compiled(self, "verify", args)
+        return self._run(args)
 
     def warmup(self) -> None:
         """Build the graphs: one sequence and several, the fewest and the most rows (a

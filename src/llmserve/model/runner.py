@@ -108,7 +108,7 @@ class ModelRunner:
                         "the compiled graph)")
         if not eager and not self.model.compile_unsupported and self.parallel is None:  # no TP
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
-                                               self.buffers, cfg.max_num_seqs, self.device,
+                                               self.buffers, cfg.max_num_seqs,
                                                static_model=self.lora is None)
             if cfg.speculative_method and self.backend.name == "paged":
                 self.compiled_verify = CompiledVerifyStep(
@@ -232,7 +232,7 @@ class ModelRunner:
         if not sampled:
             return out
         if logits is None:
-            logits = self._sampled_logits(step, order, staged, hidden, logits_all, sampled)
+            logits = self._sampled_logits(step, order, staged, hidden, logits_all)
         if self.parallel is not None and self.parallel.rank != 0:
             return out   # workers only join the collectives; rank 0 samples
         if self.sample_vocab_size < logits.shape[-1]:
@@ -261,19 +261,14 @@ class ModelRunner:
         the sampled rows: the last ``num_samples`` of each sequence, in order."""
         if rows == 1 and all(step.num_samples[i] for i in order):
             return logits[:len(order)]
-        index = [p * rows + step.num_new_tokens[i] - step.num_samples[i] + j
-                 for p, i in enumerate(order) for j in range(step.num_samples[i])]
+        index = _sampled_row_index(step, order, [p * rows for p in range(len(order))])
         return logits.index_select(0, torch.tensor(index, device=logits.device))
 
-    def _sampled_logits(self, step: StepInput, order: list[int], staged, hidden, logits_all,
-                        sampled: list[int]) -> torch.Tensor:
+    def _sampled_logits(self, step: StepInput, order: list[int], staged, hidden,
+                        logits_all) -> torch.Tensor:
         """Logits of the last ``num_samples`` rows of each sampled sequence, in order."""
-        row_start = {i: staged.row_starts[pos] for pos, i in enumerate(order)}
-        rows = []
-        for i in sampled:
-            end = row_start[i] + step.num_new_tokens[i]
-            rows.extend(range(end - step.num_samples[i], end))
-        index = torch.tensor(rows, device=self.device)
+        index = torch.tensor(_sampled_row_index(step, order, staged.row_starts),
+                             device=self.device)
         return (logits_all[index] if logits_all is not None
                 else self.model.compute_logits(hidden.index_select(0, index)))
 
@@ -320,6 +315,16 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             self.generators[request_id] = gen
         return gen
+
+
+def _sampled_row_index(step: StepInput, order: list[int], row_starts: list[int]) -> list[int]:
+    """Rows of the sampled positions (the last ``num_samples`` of each sequence), for the
+    sequences in ``order`` whose first rows are ``row_starts``."""
+    rows: list[int] = []
+    for start, i in zip(row_starts, order):
+        end = start + step.num_new_tokens[i]
+        rows.extend(range(end - step.num_samples[i], end))
+    return rows
 
 
 def _concat(a: StepOutput, b: StepOutput) -> StepOutput:

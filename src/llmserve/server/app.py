@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.server.errors import OpenAIError, install_error_handlers
 from llmserve.server.gateway_hook import ExtraRoute, HTTPCall, RequestContext, call_hook
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
-from llmserve.server.lora_adapters import install_lora_routes
+from llmserve.server.lora_adapters import lora_routes
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.openapi import install_openapi
@@ -105,7 +105,7 @@ def create_app(
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
 
     install_gateway_routes(app, gateway)
-    install_lora_routes(app, serving, engine, names[0], gateway)
+    install_routes(app, lora_routes(serving, engine, names[0], gateway))
     register_metrics = getattr(gateway, "register_metrics", None)
     if callable(register_metrics):
         register_metrics(metrics.registry)
@@ -190,9 +190,13 @@ def install_gateway_routes(app: FastAPI, gateway: Any) -> None:
     """Serve the gateway's extra endpoints (``gateway.http_routes()``, e.g. prompt
     bundles and admin operations); their handlers get an :class:`HTTPCall`."""
     routes = getattr(gateway, "http_routes", None)
-    if not callable(routes):
-        return
-    for route in routes():
+    if callable(routes):
+        install_routes(app, routes())
+
+
+def install_routes(app: FastAPI, routes: Sequence[ExtraRoute]) -> None:
+    """Serve extra endpoints whose handlers take an :class:`HTTPCall`."""
+    for route in routes:
         app.add_api_route(route.path, _route_endpoint(route), methods=[route.method],
                           include_in_schema=False)
 

@@ -20,12 +20,9 @@ import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-
 from llmserve.engine.lora_registry import LoraError, LoraInUse, LoraNotFound
 from llmserve.server.errors import OpenAIError
-from llmserve.server.gateway_hook import HTTPCall
+from llmserve.server.gateway_hook import ExtraRoute, HTTPCall
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +31,6 @@ class LoraModelView:
     """The base engine seen through one adapter: ``generate`` runs under ``lora_name``."""
 
     def __init__(self, base: Any, parent: str, info: dict[str, Any]) -> None:
-        self._base = base
         self.base_engine = base   # the engine that runs it (admin operations dedupe on it)
         self.lora_name: str = info["name"]
         self.lora_parent = parent
@@ -43,14 +39,14 @@ class LoraModelView:
         self.model_name = base.model_name
 
     def __getattr__(self, name: str) -> Any:   # tokenizer, max_model_len, abort, stats ...
-        return getattr(self._base, name)
+        return getattr(self.base_engine, name)
 
     def generate(self, prompt: Any, params: Any, request_id: str, *, priority: Any = None,
                  cache_salt: Optional[str] = None, deadline: Optional[float] = None,
                  queue_deadline: Optional[float] = None,
                  prediction: Optional[str] = None) -> AsyncIterator[Any]:
         """The base engine's ``generate`` under this adapter."""
-        return self._base.generate(prompt, params, request_id, priority=priority,
+        return self.base_engine.generate(prompt, params, request_id, priority=priority,
                                    cache_salt=cache_salt, deadline=deadline,
                                    queue_deadline=queue_deadline, prediction=prediction,
                                    lora=self.lora_name)
@@ -152,24 +148,11 @@ class LoraAdapters:
         return 200, {"object": "lora_adapter", "name": name, "unloaded": True}
 
 
-def install_lora_routes(app: Any, serving: Any, engine: Any, parent: str,
-                        gateway: Any = None) -> Optional[LoraAdapters]:
-    """Serve ``engine``'s adapters and the load/unload endpoints (None: no LoRA)."""
+def lora_routes(serving: Any, engine: Any, parent: str,
+                gateway: Any = None) -> list[ExtraRoute]:
+    """Serve ``engine``'s adapters; the load/unload endpoints (none without LoRA)."""
     if not LoraAdapters.supported(engine):
-        return None
+        return []
     adapters = LoraAdapters(serving, engine, parent, gateway)
-
-    def endpoint(handler: Any) -> Any:
-        async def run(request: Request) -> Any:
-            call = HTTPCall(method=request.method, path=request.url.path,
-                            headers={k.lower(): v for k, v in request.headers.items()},
-                            path_params={}, query={}, body=await request.body())
-            status, body = await handler(call)
-            return JSONResponse(body, status_code=status)
-        return run
-
-    app.add_api_route("/v1/load_lora_adapter", endpoint(adapters.load), methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route("/v1/unload_lora_adapter", endpoint(adapters.unload), methods=["POST"],
-                      include_in_schema=False)
-    return adapters
+    return [ExtraRoute("POST", "/v1/load_lora_adapter", adapters.load),
+            ExtraRoute("POST", "/v1/unload_lora_adapter", adapters.unload)]

@@ -9,8 +9,8 @@ through the slot table directly::
 
 so inductor emits loops that load K and V rows where they live: no per-layer copy of any
 sequence's context. A compiled verify step (``Q`` rows per sequence: a decode with its
-drafts) adds the query axis, each row masked to the keys at or before its position. Run eagerly, the same formulation would materialise a G-times larger
-product, so eager steps gather the blocks (one contiguous copy) and call SDPA. Prefill chunks
+drafts) adds the query axis, each row masked to the keys at or before its position. Run
+eagerly, the same formulation would materialise a G-times larger product, so eager steps gather the blocks (one contiguous copy) and call SDPA. Prefill chunks
 use the reference backend's grouped gather + SDPA.
 """
 from __future__ import annotations

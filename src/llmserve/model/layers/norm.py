@@ -31,12 +31,13 @@ def enable_compiled_norm(model: nn.Module, dtype: torch.dtype, device: torch.dev
     if not norms:
         return False
     fn = torch.compile(_rms_norm, dynamic=True)
+    size = norms[0].size
     try:
         with torch.inference_mode():
-            for eps in sorted({m.eps for m in norms}):
-                size = norms[0].size
-                x = torch.zeros(COMPILED_NORM_MIN_ROWS, size, dtype=dtype, device=device)
-                fn(x, torch.ones(size, dtype=dtype, device=device), eps)
+            x = torch.zeros(COMPILED_NORM_MIN_ROWS, size, dtype=dtype, device=device)
+            weight = torch.ones(size, dtype=dtype, device=device)
+            for eps in sorted({m.eps for m in norms}):   # a float argument: one graph each
+                fn(x, weight, eps)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
         logger.warning("compiling the prefill RMSNorm failed (%s: %s); it stays eager",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

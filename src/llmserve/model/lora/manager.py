@@ -46,6 +46,7 @@ class LoraManager:
         self.num_layers = len(model.layers)
         #: (layer, PEFT target) -> (wrapped layer, shard of the fused layer)
         self.targets: dict[tuple[int, str], tuple[LoraLinear, Optional[int]]] = {}
+        self.layers: list[LoraLinear] = []   # each wrapped layer once (a fused one has targets)
         self._wrap()
         self.host: dict[str, LoadedAdapter] = {}            # content hash -> tensors
         self.resident: "OrderedDict[str, int]" = OrderedDict()  # content hash -> slot (LRU)
@@ -73,12 +74,12 @@ class LoraManager:
                     setattr(self.model.get_submodule(parent_path), attr, layer)
                     wrapped[full] = layer
                 self.targets[(i, target)] = (layer, shard)
+        self.layers = list(wrapped.values())
         if not self.targets:
             raise ValueError(f"LoRA adapters are not supported for {type(self.model).__name__}: "
                              "none of its projections is a plain Linear layer")
         logger.info("LoRA: %d layers wrapped, %d slots of rank <= %d (%.1f MB)", len(wrapped),
-                    self.max_loras, self.max_rank,
-                    sum(w.slot_bytes for w in wrapped.values()) / 1e6)
+                    self.max_loras, self.max_rank, self.slot_bytes / 1e6)
 
     # ---- adapters -------------------------------------------------------------------
     def register(self, ref: LoraRef) -> None:
@@ -102,7 +103,7 @@ class LoraManager:
         self.host.pop(ref.content_hash, None)
         slot = self.resident.pop(ref.content_hash, None)
         if slot is not None:
-            for layer in {id(w): w for w, _s in self.targets.values()}.values():
+            for layer in self.layers:
                 layer.clear_slot(slot)
             self.free_slots.append(slot)
 
@@ -130,7 +131,7 @@ class LoraManager:
         return slot
 
     def _write(self, slot: int, adapter: LoadedAdapter) -> None:
-        for layer in {id(w): w for w, _s in self.targets.values()}.values():
+        for layer in self.layers:
             layer.clear_slot(slot)
         for pair in adapter.pairs:
             layer, shard = self.targets[(pair.layer, pair.target)]
@@ -150,4 +151,4 @@ class LoraManager:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(w.slot_bytes for w in {id(w): w for w, _s in self.targets.values()}.values())
+        return sum(w.slot_bytes for w in self.layers)
