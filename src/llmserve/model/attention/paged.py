@@ -8,10 +8,13 @@ through the slot table directly::
     o[b, h, g, d] = sum_l softmax_l(s)[b, l, h, g] * V[slot[b, l], h, d]
 
 so inductor emits loops that load K and V rows where they live: no per-layer copy of any
-sequence's context. A compiled verify step (``Q`` rows per sequence: a decode with its
-drafts) adds the query axis, each row masked to the keys at or before its position. Run
-eagerly, the same formulation would materialise a G-times larger product, so eager steps gather the blocks (one contiguous copy) and call SDPA. Prefill chunks
-use the reference backend's grouped gather + SDPA.
+sequence's context. Where llmserve's native kernel is loaded (bf16 query and cache), decodes
+use it instead, compiled or eager (:mod:`~llmserve.model.attention.native_decode`). A
+compiled verify step (``Q`` rows per sequence: a decode with its drafts) adds the query
+axis, each row masked to the keys at or before its position. Run eagerly, the same
+formulation would materialise a G-times larger product, so eager steps without the native
+kernel gather the blocks (one contiguous copy) and call SDPA. Prefill chunks use the
+reference backend's grouped gather + SDPA.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from typing import Optional
 import torch
 
 from llmserve.model.attention.backend import AttentionMetadata, StepBatch, write_kv
+from llmserve.model.attention.native_decode import (native_decode_available,
+                                                    native_decode_usable, paged_decode_native)
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
 from llmserve.model.quant.kv import load_kv
 
@@ -73,6 +78,12 @@ class PagedBackend(ReferenceBackend):
 
     name = "paged"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        # decided here, never inside a traced step (the first check builds and tests it)
+        self.native_decode = native_decode_available()
+
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
         nd = batch.num_decodes
         bt, ctx = batch.block_tables, batch.context_lens
@@ -109,6 +120,9 @@ class PagedBackend(ReferenceBackend):
             if meta.decode_positions is not None:   # compiled verify step
                 outs.append(paged_verify_inplace(qd, k_cache, v_cache, meta.decode_slots,
                                                  valid, scale, softcap))
+            elif self.native_decode and native_decode_usable(qd, k_cache):
+                outs.append(paged_decode_native(qd, k_cache, v_cache, meta.decode_slots,
+                                                valid, scale, softcap))
             elif torch.compiler.is_compiling():
                 outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
                                                  valid, scale, softcap))

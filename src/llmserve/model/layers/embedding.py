@@ -107,7 +107,7 @@ class LMHead(nn.Module):
         if self.packed_id is not None:
             return cpu_kernels.packed_linear(x, self.packed_id, self.vocab_size).float()
         if self.tied.qweight is not None:
-            return self.tied.qweight(x).float()
+            return self.tied.qweight.logits(x)
         return F.linear(x, self.tied.weight).float()
 
     def __del__(self) -> None:

@@ -31,6 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers.cpu_kernels import cpu_op
+from llmserve.model.quant.native_int4 import int4_mm as native_int4_mm
+from llmserve.model.quant.native_int4 import native_int4_available, pack_int4
+from llmserve.model.quant.native_int8 import int8_mm as native_int8_mm
+from llmserve.model.quant.native_int8 import native_int8_available, pack_int8, packed_rows
 
 logger = logging.getLogger(__name__)
 
@@ -178,9 +182,13 @@ def _int4_tile(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 
 
 class Int4Weight(nn.Module):
-    """A packed int4 weight (N, K) and its product ``x (..., K) -> (..., N)``."""
+    """A packed int4 weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
-    def __init__(self, groups: Int4Groups) -> None:
+    ``native`` picks the kernel: llmserve's (:mod:`~llmserve.model.quant.native_int4`) or
+    PyTorch's ``_weight_int4pack_mm_for_cpu``; by default the native one where it is available.
+    """
+
+    def __init__(self, groups: Int4Groups, native: "bool | None" = None) -> None:
         super().__init__()
         n, k = groups.q.shape
         self.out_features, self.in_features = n, k
@@ -191,11 +199,20 @@ class Int4Weight(nn.Module):
             q = torch.cat([q, q.new_full((pad, k), 8)])
             scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        self.padded = bool(pad)
+        self.native = native_int4_available() if native is None else native
+        if self.native and not native_int4_available():
+            raise ValueError("the native int4 kernel is not available on this machine")
+        if self.native:   # llmserve's kernel and layout (native_int4.py)
+            packed, sz = pack_int4(q, scale, zero, self.group_size)
+            self.register_buffer("qweight", packed, persistent=False)
+            self.register_buffer("scales_zeros", sz, persistent=False)
+            self.tiled = False
+            return
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).contiguous(), 1), persistent=False)
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(
             KERNEL_DTYPE).contiguous(), persistent=False)
-        self.padded = bool(pad)
         # many-row products dequantize tiles read back from the packed weight itself
         self.tiled = self._layout_ok(q)
 
@@ -215,7 +232,9 @@ class Int4Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if self.tiled and x2.shape[0] >= INT4_GEMM_MIN_ROWS:
+        if self.native:
+            y = native_int4_mm(x2, self.qweight, self.scales_zeros, self.group_size)
+        elif self.tiled and x2.shape[0] >= INT4_GEMM_MIN_ROWS:
             y = int4_tiled_mm(x2, self.qweight, self.scales_zeros, self.group_size)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
@@ -269,25 +288,39 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 class Int8Weight(nn.Module):
     """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
-    One row in a compiled graph is a fused reduction; few rows use
-    ``_weight_int8pack_mm`` (bandwidth-bound: one pass over the int8 bytes);
-    from :data:`INT8_GEMM_MIN_ROWS` rows on (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights),
-    bf16 tiles of the weight feed a dense GEMM (:func:`int8_mm`), whose cost grows far
-    slower with the row count.
+    With llmserve's native kernel (:mod:`~llmserve.model.quant.native_int8`, the default
+    where it is available) every row count uses it. Otherwise: one row in a compiled graph is
+    a fused reduction; few rows use ``_weight_int8pack_mm`` (bandwidth-bound: one pass over
+    the int8 bytes); from :data:`INT8_GEMM_MIN_ROWS` rows on
+    (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights), bf16 tiles of the weight feed a
+    dense GEMM (:func:`int8_mm`).
     """
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor,
+                 native: "bool | None" = None) -> None:
         super().__init__()
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"int8 weight needs q int8 (N, K) and scale (N,), got "
                              f"{q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}")
         self.out_features, self.in_features = q.shape
+        self.native = (native_int8_available() if native is None else native) \
+            and q.device.type == "cpu" and self.in_features % 2 == 0
+        if native and not self.native:
+            raise ValueError("the native int8 kernel is not available for this weight/machine")
+        scale = scale.to(KERNEL_DTYPE)
+        if self.native:
+            pad = -self.out_features % 16      # zero rows with a zero scale
+            q = torch.cat([q, q.new_zeros(pad, self.in_features)]) if pad else q
+            scale = torch.cat([scale, scale.new_zeros(pad)]) if pad else scale
+            q = pack_int8(q.contiguous())
         self.register_buffer("qweight", q.contiguous(), persistent=False)
-        self.register_buffer("scale", scale.to(KERNEL_DTYPE).contiguous(), persistent=False)
+        self.register_buffer("scale", scale.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if x2.shape[0] == 1 and torch.compiler.is_compiling():
+        if self.native:
+            y = native_int8_mm(x2, self.qweight, self.scale)[:, :self.out_features]
+        elif x2.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph: inductor fuses this into one reduction over the
             # int8 bytes, 1.4-1.5x faster than the pack kernel at the default model's LM
             # head (the eager form would materialise an (N, K) float product)
@@ -296,10 +329,19 @@ class Int8Weight(nn.Module):
             y = int8_mm(x2, self.qweight, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in float32 (an LM head): the native kernel stores its float32 sums, so
+        near-tied logits are not rounded to bf16's 1/8 step at magnitude ~20 first."""
+        if not self.native:
+            return self(x).float()
+        y = native_int8_mm(_as_kernel_input(x), self.qweight, self.scale, True)
+        return y[:, :self.out_features].view(*x.shape[:-1], self.out_features)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows ``ids`` (an embedding lookup in the same table)."""
-        q = self.qweight.index_select(0, ids.reshape(-1))
-        s = self.scale.index_select(0, ids.reshape(-1))
+        flat = ids.reshape(-1)
+        q = packed_rows(self.qweight, flat) if self.native else self.qweight.index_select(0, flat)
+        s = self.scale.index_select(0, flat)
         out = q.to(dtype) * s.to(dtype).unsqueeze(-1)
         return out.view(*ids.shape, self.in_features)
 

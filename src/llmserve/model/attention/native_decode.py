@@ -1,0 +1,64 @@
+"""Decode attention by llmserve's native kernel (``model/csrc/paged_decode.cpp``).
+
+The compiled in-place formulation (:func:`~llmserve.model.attention.paged.paged_decode_inplace`)
+lets inductor index the cache, but its generated loops ran at ~0.45 ms a layer for 32
+sequences of ~150 tokens (a third of the default model's batch-32 step). The native kernel
+does the same arithmetic (float32 scores and sums, exact bf16 products) with one task per
+(sequence, KV head) that reads each K and V row once where it lives: ~4.8x faster there
+(docs/ARCHITECTURE.md, "Native kernels").
+
+Used for decode rows when the library is loaded and checked (:func:`native_decode_usable`):
+bf16 queries and a bf16 KV cache on CPU, a head size that is a multiple of 16. Quantized KV
+caches, other dtypes and other devices keep the compiled/eager paths.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from llmserve.model.native import native_available
+
+logger = logging.getLogger(__name__)
+
+_checked: "dict[str, bool]" = {}
+
+
+def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor, valid: torch.Tensor, scale: float,
+                        softcap: Optional[float] = None) -> torch.Tensor:
+    """``q (B, H, D)`` against cached rows ``slots (B, L)`` where ``valid (B, L)`` ->
+    ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`."""
+    return torch.ops.llmserve_native.paged_decode(q, k_cache, v_cache, slots, valid, scale,
+                                                  float(softcap or 0.0))
+
+
+def _self_test() -> bool:
+    from llmserve.model.attention.paged import paged_decode_inplace
+    gen = torch.Generator().manual_seed(0)
+    kc = torch.randn(64, 2, 64, generator=gen).bfloat16()
+    vc = torch.randn(64, 2, 64, generator=gen).bfloat16()
+    q = torch.randn(3, 6, 64, generator=gen).bfloat16()
+    slots = torch.randint(0, 64, (3, 20), generator=gen)
+    valid = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [7], [1]])
+    ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125).float()
+    got = paged_decode_native(q, kc, vc, slots, valid, 0.125).float()
+    ok = bool(((got - ref).abs() <= 0.01).all())
+    if not ok:
+        logger.warning("native decode attention failed its self-test: not used")
+    return ok
+
+
+def native_decode_available() -> bool:
+    """The native library is loaded and its decode attention checks out (once per process)."""
+    if "ok" not in _checked:
+        _checked["ok"] = native_available() and _self_test()
+    return _checked["ok"]
+
+
+def native_decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The native kernel (once :func:`native_decode_available`) serves these decode rows:
+    a bf16 CPU query and cache, a head size that is a multiple of 16."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0)

@@ -1,0 +1,174 @@
+// int4 x bf16 matrix product for AVX512-BF16 CPUs: llmserve_native::int4_mm.
+//
+// Weight layout (packed once at load by llmserve.model.quant.native_int4.pack_int4):
+//   strips of 16 output channels; per strip, K/4 chunks of 32 bytes, one chunk per 4 k's:
+//
+//     chunk (strip s, k = 4j..4j+3), byte b = 2c + t (c: channel 16s + c, t: 0/1)
+//         low nibble  = q[16s + c][4j + t]        -> word b of vector "lo": pair (k0, k1)
+//         high nibble = q[16s + c][4j + 2 + t]    -> word b of vector "hi": pair (k2, k3)
+//
+//   so zero-extending the 32 bytes to 32 words gives, after a nibble lookup, two vectors of
+//   16 (k, k+1) bf16 pairs: exactly the operand layout of vdpbf16ps against an activation pair
+//   (x[k], x[k+1]) broadcast to every lane.
+//   scales/zeros: (strips, groups, 2, 16) bf16: w = (q - 8) * scale + zero.
+//
+// Per group the codes (q - 8, exact in bf16) are dotted with the bf16 activations in fp32
+// (vdpbf16ps products are exact), then  y += scale * dot + zero * sum(x over the group).
+// Row tiles of up to 8 activations share each dequantized vector; strips split over threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "bf16_vec.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using llmserve_native::broadcast_pair;
+using llmserve_native::load_bf16x16;
+
+constexpr int kStrip = 16;      // output channels per strip (one fp32 zmm)
+constexpr int kChunkBytes = 32; // 4 k's x 16 channels x 4 bits
+constexpr int kMaxRows = 8;     // activation rows per tile
+
+struct CodeTable {
+  alignas(64) uint16_t words[32];
+  CodeTable() {
+    for (int i = 0; i < 32; ++i) {
+      float f = static_cast<float>((i & 15) - 8);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof(bits));
+      words[i] = static_cast<uint16_t>(bits >> 16);  // small integers are exact in bf16
+    }
+  }
+};
+const CodeTable kCodes;
+
+// ROWS activation rows x one strip. NACC partial accumulators per row hide the latency of
+// vdpbf16ps when few rows give few independent chains.
+template <int ROWS, int NACC>
+void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx,
+                const float* xsum, int64_t groups, int64_t chunks_per_group, uint16_t* y,
+                int64_t ldy) {
+  const __m512i table = _mm512_load_si512(kCodes.words);
+  __m512 out[ROWS];
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[ROWS][NACC];
+    for (int r = 0; r < ROWS; ++r)
+      for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
+    const uint8_t* wg = w + g * chunks_per_group * kChunkBytes;
+    const int64_t k0 = g * chunks_per_group * 4;
+    for (int64_t c = 0; c < chunks_per_group; c += 2) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (c + h) * kChunkBytes)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+        const int64_t k = k0 + (c + h) * 4;
+        constexpr int step = NACC >= 4 ? 2 : 0;
+        const int ilo = (h * step) % NACC;
+        const int ihi = (h * step + (NACC >= 2 ? 1 : 0)) % NACC;
+        for (int r = 0; r < ROWS; ++r) {
+          const uint16_t* xr = x + r * ldx + k;
+          acc[r][ilo] = _mm512_dpbf16_ps(acc[r][ilo], lo, broadcast_pair(xr));
+          acc[r][ihi] = _mm512_dpbf16_ps(acc[r][ihi], hi, broadcast_pair(xr + 2));
+        }
+      }
+    }
+    const __m512 scale = load_bf16x16(sz + g * 2 * kStrip);
+    const __m512 zero = load_bf16x16(sz + g * 2 * kStrip + kStrip);
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 dot = acc[r][0];
+      for (int a = 1; a < NACC; ++a) dot = _mm512_add_ps(dot, acc[r][a]);
+      out[r] = _mm512_fmadd_ps(dot, scale, out[r]);
+      out[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zero, out[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    __m256bh v = _mm512_cvtneps_pbh(out[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)v);
+  }
+}
+
+using StripFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const float*,
+                         int64_t, int64_t, uint16_t*, int64_t);
+
+constexpr StripFn kStripFns[kMaxRows + 1] = {
+    nullptr,
+    strip_rows<1, 4>, strip_rows<2, 4>, strip_rows<3, 2>, strip_rows<4, 2>,
+    strip_rows<5, 1>, strip_rows<6, 1>, strip_rows<7, 1>, strip_rows<8, 1>,
+};
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                   int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_mm: x must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "int4_mm: packed must be a contiguous 2-D uint8 tensor");
+  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && k % group_size == 0,
+              "int4_mm: K=", k, " is not a multiple of the group size ", group_size,
+              " (a multiple of 8)");
+  TORCH_CHECK(packed.size(1) == k / 4 * kChunkBytes, "int4_mm: packed weight is for K=",
+              packed.size(1) / kChunkBytes * 4, ", x has K=", k);
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.dim() == 4 && scales_zeros.size(0) == strips &&
+                  scales_zeros.size(1) == groups && scales_zeros.size(2) == 2 &&
+                  scales_zeros.size(3) == kStrip,
+              "int4_mm: scales_zeros must be contiguous bf16 (strips, K/group, 2, 16)");
+  const int64_t n = strips * kStrip;
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+
+  // sum of each row's activations over each group (the zeros' term)
+  at::Tensor xsum_t = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  float* xsum = xsum_t.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* p = xp + r * k + g * group_size;
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t i = 0; i < group_size; i += 16)
+        s = _mm512_add_ps(s, load_bf16x16(p + i));
+      xsum[r * groups + g] = _mm512_reduce_add_ps(s);
+    }
+  }
+
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t chunks_per_group = group_size / 4;
+  const int64_t strip_bytes = k / 4 * kChunkBytes;
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
+        kStripFns[tile](wp + s * strip_bytes, szp + s * groups * 2 * kStrip, xp + r0 * k, k,
+                        xsum + r0 * groups, groups, chunks_per_group, yp + r0 * n + s * kStrip, n);
+      }
+    }
+  });
+  return y;
+}
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
+  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor");
+  m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm));
+  m.def("cpu_supported() -> bool", &cpu_supported);
+}

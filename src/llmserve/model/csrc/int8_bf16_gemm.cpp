@@ -1,0 +1,123 @@
+// int8 (per output channel) x bf16 matrix product for AVX512-BF16 CPUs: llmserve_native::int8_mm.
+//
+// Weight layout (packed once at load by llmserve.model.quant.native_int8.pack_int8):
+//   strips of 16 output channels; per strip, K/2 vectors of 32 bytes, one per k pair:
+//
+//     vector j of strip s, byte 2c + t  =  q[16s + c][2j + t]        (c < 16, t < 2)
+//
+//   int8 codes are exact in bf16, so a vector converts to 16 (k, k+1) bf16 pairs: the operand
+//   of vdpbf16ps against a broadcast activation pair. scale: (strips * 16,) bf16 per channel.
+//
+// A strip is converted once into a per-thread buffer (K x 16 bf16: 18 KB at K = 576, in L1),
+// then every tile of up to 8 activation rows reads it; y = scale * (x . q), float32 sums,
+// stored as bf16 or (float_out: an LM head's logits) float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "bf16_vec.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using llmserve_native::broadcast_pair;
+using llmserve_native::load_bf16x16;
+
+constexpr int kStrip = 16;
+constexpr int kMaxRows = 8;
+
+void convert_strip(const int8_t* w, int64_t pairs, __m512bh* out) {
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    out[j] = _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+template <int ROWS, int NACC>
+void strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx,
+                __m512 scale, void* y, int64_t ldy, bool float_out) {
+  __m512 acc[ROWS][NACC];
+  for (int r = 0; r < ROWS; ++r)
+    for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + NACC <= pairs; j += NACC) {
+    for (int a = 0; a < NACC; ++a) {
+      const __m512bh v = w[j + a];
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][a] = _mm512_dpbf16_ps(acc[r][a], v, broadcast_pair(x + r * ldx + 2 * (j + a)));
+    }
+  }
+  for (; j < pairs; ++j)
+    for (int r = 0; r < ROWS; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w[j], broadcast_pair(x + r * ldx + 2 * j));
+  for (int r = 0; r < ROWS; ++r) {
+    __m512 s = acc[r][0];
+    for (int a = 1; a < NACC; ++a) s = _mm512_add_ps(s, acc[r][a]);
+    const __m512 v = _mm512_mul_ps(s, scale);
+    if (float_out) {
+      _mm512_storeu_ps(static_cast<float*>(y) + r * ldy, v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ldy),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+using RowsFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, __m512, void*,
+                        int64_t, bool);
+
+constexpr RowsFn kRowsFns[kMaxRows + 1] = {
+    nullptr,
+    strip_rows<1, 4>, strip_rows<2, 4>, strip_rows<3, 2>, strip_rows<4, 2>,
+    strip_rows<5, 1>, strip_rows<6, 1>, strip_rows<7, 1>, strip_rows<8, 1>,
+};
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                   bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int8_mm: x must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous(),
+              "int8_mm: packed must be a contiguous 2-D int8 tensor");
+  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
+  TORCH_CHECK(k % 2 == 0 && packed.size(1) == k * kStrip, "int8_mm: packed weight is for K=",
+              packed.size(1) / kStrip, ", x has K=", k, " (K must be even)");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
+                  scale.numel() == strips * kStrip,
+              "int8_mm: scale must be contiguous bf16 with one value per (padded) channel");
+  const int64_t n = strips * kStrip, pairs = k / 2;
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (rows == 0 || n == 0) return y;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t out_bytes = float_out ? 4 : 2;
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512bh> buf(static_cast<size_t>(pairs));
+    for (int64_t s = begin; s < end; ++s) {
+      convert_strip(wp + s * k * kStrip, pairs, buf.data());
+      const __m512 sc = load_bf16x16(sp + s * kStrip);
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
+        kRowsFns[tile](buf.data(), pairs, xp + r0 * k, k, sc,
+                       yp + (r0 * n + s * kStrip) * out_bytes, n, float_out);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
+  m.def("int8_mm(Tensor x, Tensor packed, Tensor scale, bool float_out=False) -> Tensor");
+  m.impl("int8_mm", c10::DispatchKey::CPU, TORCH_FN(int8_mm));
+}
