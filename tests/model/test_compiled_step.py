@@ -63,6 +63,34 @@ def test_compiled_decode_equals_eager(tiny_path, compiled_llm, batch):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
 
 
+def test_batches_between_buckets_run_unpadded_without_recompiling(compiled_llm):
+    """The batch is dynamic: 3, 5, 6 and 7 sequences run as themselves (no padding rows)
+    in the graph warmed up at 2, 4, 8, and never make a new one."""
+    from torch._dynamo.utils import counters
+
+    runner = compiled_llm.engine.runner
+    assert [runner.compiled.bucket_for(n) for n in (1, 3, 5, 8, 9)] == [1, 3, 5, 8, None]
+    rows = []
+    stage = runner.buffers.stage
+
+    def recording(step, order, block_size, pad_to=None):
+        staged = stage(step, order, block_size, pad_to=pad_to)
+        rows.append((step.num_seqs, staged.input_ids.shape[0]))
+        return staged
+
+    runner.buffers.stage = recording
+    try:
+        graphs = counters["stats"]["unique_graphs"]
+        for batch in (3, 5, 6, 7):
+            _generate(compiled_llm, [[7 + i, 8, 9 + batch] for i in range(batch)])
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        del runner.buffers.stage
+    decode_rows = {seqs: n for seqs, n in rows if seqs == n}
+    assert {3, 5, 6, 7} <= set(decode_rows)
+    assert all(n == seqs for seqs, n in rows if n <= 8)    # decode steps: never padded
+
+
 def test_verify_steps_with_drafts_run_compiled_and_match_eager(tiny_path):
     """n-gram drafts are verified by the compiled verify graph (k + 1 rows per sequence,
     shorter ones padded; sequences without drafts in the same step): the same tokens and
