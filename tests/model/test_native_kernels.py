@@ -41,12 +41,13 @@ def test_int4_mm_equals_the_dequantized_product(n, k, g):
     assert fast.native and not aten.native
     assert fast.nbytes == aten.nbytes                     # same bytes as PyTorch's layout
     w = groups.dequantize()
-    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 33, 130):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 33, 63, 64, 77, 130):
         x = torch.randn(rows, k).bfloat16()
         ref = x.float() @ w.T
         y = fast(x)
         assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-        assert rel_err(y, ref) <= 0.005, rows             # bf16 output rounding
+        # bf16 output rounding; from 64 rows the weights are rounded to bf16 too (panels)
+        assert rel_err(y, ref) <= (0.005 if rows < 64 else 0.008), rows
         assert rel_err(y, aten(x).float()) <= 0.01, rows
 
 
