@@ -46,8 +46,8 @@ def test_int4_mm_equals_the_dequantized_product(n, k, g):
         ref = x.float() @ w.T
         y = fast(x)
         assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-        # bf16 output rounding; from 64 rows the weights are rounded to bf16 too (panels)
-        assert rel_err(y, ref) <= (0.005 if rows < 64 else 0.008), rows
+        # bf16 output rounding only: the panels from 64 rows keep the exact codes too
+        assert rel_err(y, ref) <= 0.005, rows
         assert rel_err(y, aten(x).float()) <= 0.01, rows
 
 
@@ -127,27 +127,37 @@ def tiny_path(tmp_path_factory):
 
 def _logits(path: str, **kw):
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, attention_backend="paged",
-              check_invariants=True, **kw)
+              check_invariants=True, enable_prefix_caching=True, **kw)
     runner = llm.engine.runner
     runner.capture_logits = True
     steps = []
     inner = runner.execute
     runner.execute = lambda step: steps.append(inner(step)) or steps[-1]
     prompts = [list(range(100, 160)), [5, 17, 300], list(range(400, 421))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    # shared prefixes: these prefill from a cached block on (chunks that start mid-context)
+    outs += llm.generate([list(range(100, 140)) + [7, 8, 9], list(range(400, 421)) + [3]],
+                         params)
     return llm, [o.outputs[0].token_ids for o in outs], steps
 
 
 @needs_native
-def test_engine_decodes_with_native_attention_as_without(tiny_path, monkeypatch):
-    llm, tokens, steps = _logits(tiny_path)
+@pytest.mark.parametrize("budget", [2048, 24], ids=["whole-prompts", "chunked-prefill"])
+def test_engine_attends_with_the_native_kernel_as_without(tiny_path, monkeypatch, budget):
+    """Decodes and prefill chunks (whole, chunked, after a prefix-cache hit) through the
+    native kernel give the logits of the engine without it."""
+    llm, tokens, steps = _logits(tiny_path, max_num_batched_tokens=budget)
     assert llm.engine.runner.backend.native_decode
     monkeypatch.setattr("llmserve.model.attention.paged.native_decode_available", lambda: False)
-    off, ref_tokens, ref_steps = _logits(tiny_path)
+    off, ref_tokens, ref_steps = _logits(tiny_path, max_num_batched_tokens=budget)
     assert not off.engine.runner.backend.native_decode
     assert len(steps) == len(ref_steps)
     for out, ref in zip(steps, ref_steps):
-        torch.testing.assert_close(out.logits.float(), ref.logits.float(), atol=0.05, rtol=0.02)
+        assert (out.logits is None) == (ref.logits is None)   # chunks that sample nothing
+        if out.logits is not None:
+            torch.testing.assert_close(out.logits.float(), ref.logits.float(), atol=0.05,
+                                       rtol=0.02)
     agree = sum(a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r))
     assert agree >= 0.9 * sum(len(t) for t in tokens)
 

@@ -14,7 +14,9 @@ compiled verify step (``Q`` rows per sequence: a decode with its drafts) adds th
 axis, each row masked to the keys at or before its position. Run eagerly, the same
 formulation would materialise a G-times larger product, so eager steps without the native
 kernel gather the blocks (one contiguous copy) and call SDPA. Prefill chunks use the
-reference backend's grouped gather + SDPA.
+reference backend's grouped gather + SDPA, or, with the native kernel, one decode-like row
+per query against its own causal keys (:func:`_native_prefill_rows`): a 1024-token prefill
+of the default model 0.85 -> 0.70 s (SDPA with a mask ran at ~35 GFLOP/s on these shapes).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from llmserve.model.attention.backend import AttentionMetadata, StepBatch, write_kv
+from llmserve.model.attention.backend import (AttentionMetadata, GroupMetadata, StepBatch,
+                                              write_kv)
 from llmserve.model.attention.native_decode import (native_decode_available,
                                                     native_decode_usable, paged_decode_native)
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
@@ -73,8 +76,34 @@ def paged_verify_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out.reshape(b * nq, h * d).to(q.dtype)
 
 
+#: Largest (query rows x keys) table a prefill group builds for the native kernel (9 bytes
+#: an entry); beyond it the group takes the reference path.
+NATIVE_PREFILL_MAX_ENTRIES = 1 << 22
+
+
+def _native_prefill_rows(g: GroupMetadata, block_size: int,
+                         window: Optional[int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(slots, valid)`` of each real query row of a prefill group, ``(N, W * block_size)``:
+    its sequence's cache rows and the keys at or before its position (inside ``window``).
+    Built once per step and window; None for decode groups and oversized tables."""
+    if g.is_decode or g.num_tokens * g.mask.shape[-1] > NATIVE_PREFILL_MAX_ENTRIES:
+        return None
+    key = ("native", window)
+    rows = g._windowed.get(key)
+    if rows is None:
+        b, w = g.block_ids.shape
+        offsets = torch.arange(block_size, device=g.block_ids.device)
+        slots = (g.block_ids.unsqueeze(-1) * block_size + offsets).view(b, w * block_size)
+        valid = g.mask_for(window).reshape(b * g.max_query, -1).index_select(0, g.output_index)
+        rows = (slots.index_select(0, torch.div(g.output_index, g.max_query,
+                                                rounding_mode="floor")), valid)
+        g._windowed[key] = rows
+    return rows
+
+
 class PagedBackend(ReferenceBackend):
-    """In-place paged decodes (compiled), grouped gather + SDPA for prefill chunks."""
+    """In-place paged decodes (native kernel or compiled reductions); prefill chunks by the
+    native kernel (one causal row each) where it is loaded, else grouped gather + SDPA."""
 
     name = "paged"
 
@@ -106,6 +135,27 @@ class PagedBackend(ReferenceBackend):
             meta.decode_slots = dec.decode_slots
             meta.decode_context_lens = dec.decode_context_lens
         return meta
+
+    def group_outputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, groups: list[GroupMetadata],
+                      window: Optional[int] = None,
+                      softcap: Optional[float] = None) -> list[torch.Tensor]:
+        """Prefill groups through the native kernel where it serves them (each query row
+        is a decode against its own causal keys), the rest through the reference."""
+        if not (self.native_decode and native_decode_usable(q, k_cache)):
+            return super().group_outputs(q, k_cache, v_cache, meta, scale, groups, window,
+                                         softcap)
+        outs = []
+        for g in groups:
+            rows = _native_prefill_rows(g, meta.block_size, window)
+            if rows is None:
+                outs.extend(super().group_outputs(q, k_cache, v_cache, meta, scale, [g],
+                                                  window, softcap))
+                continue
+            qg = q[g.token_start:g.token_start + g.num_tokens]
+            outs.append(paged_decode_native(qg, k_cache, v_cache, rows[0], rows[1], scale,
+                                            softcap))
+        return outs
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -38,7 +38,7 @@ using llmserve_native::load_bf16x16;
 constexpr int kStrip = 16;      // output channels per strip (one fp32 zmm)
 constexpr int kChunkBytes = 32; // 4 k's x 16 channels x 4 bits
 constexpr int kMaxRows = 8;     // activation rows per tile
-constexpr int64_t kPanelMinRows = 64;  // from here: bf16 panels (see int4_mm_panels)
+constexpr int64_t kPanelMinRows = 64;  // from here: expanded panels (int4_mm_panels)
 
 struct CodeTable {
   alignas(64) uint16_t words[32];
@@ -110,65 +110,60 @@ constexpr StripFn kStripFns[kMaxRows + 1] = {
     strip_rows<5, 1>, strip_rows<6, 1>, strip_rows<7, 1>, strip_rows<8, 1>,
 };
 
-// ---- many rows (prefill chunks): dequantize a pair of strips to bf16, then a plain GEMM ----
+// ---- many rows (prefill chunks): codes of two strips expanded once, then 6 x 2 tiles ----
 //
-// From kPanelMinRows rows the codes of two strips are turned into bf16 weights once,
-// w = (q - 8) * scale + zero rounded to bf16 (as PyTorch's tiles + oneDNN path rounds them),
-// in a per-thread buffer of (k, k+1) pair vectors; tiles of 12 rows x 2 strips then keep 24
-// float32 accumulators with no per-group work: ~0.9x the bf16 dot peak instead of ~0.8x.
-constexpr int kPanelRows = 12;
+// From kPanelMinRows rows the codes (q - 8) of two strips are expanded to bf16 (exact) once
+// into a per-thread buffer of (k, k+1) pair vectors, so tiles of 6 rows x 2 strips spend no
+// work on dequantization; per group they still apply y += scale * dot + zero * sum(x), the
+// same arithmetic as the row tiles above (and as the float reference up to the dtypes).
+constexpr int kPanelRows = 6;
 
-void dequantize_strip(const uint8_t* w, const uint16_t* sz, int64_t groups,
-                      int64_t chunks_per_group, __m512bh* out) {
-  // lanes of a pair vector: words 2i, 2i+1 = channel i; its float halves hold channels
-  // 0..7 and 8..15, each twice
-  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-  const __m512i nibble = _mm512_set1_epi16(15);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512 scale = load_bf16x16(sz + g * 2 * kStrip);
-    const __m512 zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale,
-                                         load_bf16x16(sz + g * 2 * kStrip + kStrip));
-    const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scale);
-    const __m512 s_hi = _mm512_permutexvar_ps(hi_idx, scale);
-    const __m512 z_lo = _mm512_permutexvar_ps(lo_idx, zero);
-    const __m512 z_hi = _mm512_permutexvar_ps(hi_idx, zero);
-    for (int64_t c = 0; c < chunks_per_group; ++c) {
-      const int64_t chunk = g * chunks_per_group + c;
-      const __m512i bytes = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + chunk * kChunkBytes)));
-      const __m512i codes[2] = {_mm512_and_si512(bytes, nibble), _mm512_srli_epi16(bytes, 4)};
-      for (int h = 0; h < 2; ++h) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes[h])));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes[h], 1)));
-        out[2 * chunk + h] = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, z_hi),
-                                                 _mm512_fmadd_ps(lo, s_lo, z_lo));
-      }
-    }
+void expand_strip(const uint8_t* w, int64_t chunks, __m512bh* out) {
+  const __m512i table = _mm512_load_si512(kCodes.words);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * kChunkBytes)));
+    out[2 * c] = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+    out[2 * c + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
   }
 }
 
 template <int ROWS, int STRIPS>
-void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, uint16_t* y,
-                int64_t ldy) {
-  __m512 acc[ROWS][STRIPS];
+void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* const* sz, const uint16_t* x,
+                int64_t ldx, const float* xsum, int64_t groups, int64_t pairs_per_group,
+                uint16_t* y, int64_t ldy) {
+  __m512 out[ROWS][STRIPS];
   for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512bh wv[STRIPS];
-    for (int t = 0; t < STRIPS; ++t) wv[t] = w[t * pairs + j];
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
-      for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+    for (int t = 0; t < STRIPS; ++t) out[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[ROWS][STRIPS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t j = g * pairs_per_group; j < (g + 1) * pairs_per_group; ++j) {
+      __m512bh wv[STRIPS];
+      for (int t = 0; t < STRIPS; ++t) wv[t] = w[t * pairs + j];
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
+        for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+      }
+    }
+    for (int t = 0; t < STRIPS; ++t) {
+      const __m512 scale = load_bf16x16(sz[t] + g * 2 * kStrip);
+      const __m512 zero = load_bf16x16(sz[t] + g * 2 * kStrip + kStrip);
+      for (int r = 0; r < ROWS; ++r) {
+        out[r][t] = _mm512_fmadd_ps(acc[r][t], scale, out[r][t]);
+        out[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zero, out[r][t]);
+      }
     }
   }
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < STRIPS; ++t)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + t * kStrip),
-                          (__m256i)_mm512_cvtneps_pbh(acc[r][t]));
+                          (__m256i)_mm512_cvtneps_pbh(out[r][t]));
 }
 
-using PanelFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t);
+using PanelFn = void (*)(const __m512bh*, int64_t, const uint16_t* const*, const uint16_t*,
+                         int64_t, const float*, int64_t, int64_t, uint16_t*, int64_t);
 
 template <int STRIPS, size_t... R>
 constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::index_sequence<R...>) {
@@ -178,22 +173,24 @@ constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::index_sequence<R...
 constexpr auto kPanel1 = panel_table<1>(std::make_index_sequence<kPanelRows + 1>{});
 constexpr auto kPanel2 = panel_table<2>(std::make_index_sequence<kPanelRows + 1>{});
 
-void int4_mm_panels(const uint16_t* xp, int64_t rows, int64_t k, const uint8_t* wp,
-                    const uint16_t* szp, int64_t strips, int64_t groups, int64_t group_size,
-                    uint16_t* yp) {
-  const int64_t n = strips * kStrip, pairs = k / 2, chunks_per_group = group_size / 4;
+void int4_mm_panels(const uint16_t* xp, int64_t rows, int64_t k, const float* xsum,
+                    const uint8_t* wp, const uint16_t* szp, int64_t strips, int64_t groups,
+                    int64_t group_size, uint16_t* yp) {
+  const int64_t n = strips * kStrip, pairs = k / 2, pairs_per_group = group_size / 2;
   const int64_t strip_bytes = k / 4 * kChunkBytes;
   at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> buf(static_cast<size_t>(2 * pairs));
     for (int64_t p = begin; p < end; ++p) {
       const int64_t s0 = 2 * p, width = s0 + 1 < strips ? 2 : 1;
+      const uint16_t* sz[2] = {szp + s0 * groups * 2 * kStrip,
+                               szp + (s0 + width - 1) * groups * 2 * kStrip};
       for (int64_t t = 0; t < width; ++t)
-        dequantize_strip(wp + (s0 + t) * strip_bytes, szp + (s0 + t) * groups * 2 * kStrip,
-                         groups, chunks_per_group, buf.data() + t * pairs);
+        expand_strip(wp + (s0 + t) * strip_bytes, k / 4, buf.data() + t * pairs);
       const auto& table = width == 2 ? kPanel2 : kPanel1;
       for (int64_t r0 = 0; r0 < rows; r0 += kPanelRows) {
         const int64_t tile = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
-        table[tile](buf.data(), pairs, xp + r0 * k, k, yp + r0 * n + s0 * kStrip, n);
+        table[tile](buf.data(), pairs, sz, xp + r0 * k, k, xsum + r0 * groups, groups,
+                    pairs_per_group, yp + r0 * n + s0 * kStrip, n);
       }
     }
   });
@@ -220,31 +217,28 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t n = strips * kStrip;
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  if (rows >= kPanelMinRows) {
-    int4_mm_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k,
-                   packed.data_ptr<uint8_t>(),
-                   reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()), strips, groups,
-                   group_size, reinterpret_cast<uint16_t*>(y.data_ptr()));
-    return y;
-  }
-
   // sum of each row's activations over each group (the zeros' term)
   at::Tensor xsum_t = at::empty({rows, groups}, x.options().dtype(at::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   float* xsum = xsum_t.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint16_t* p = xp + r * k + g * group_size;
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t i = 0; i < group_size; i += 16)
-        s = _mm512_add_ps(s, load_bf16x16(p + i));
-      xsum[r * groups + g] = _mm512_reduce_add_ps(s);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint16_t* p = xp + r * k + g * group_size;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t i = 0; i < group_size; i += 16) s = _mm512_add_ps(s, load_bf16x16(p + i));
+        xsum[r * groups + g] = _mm512_reduce_add_ps(s);
+      }
     }
-  }
+  });
 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (rows >= kPanelMinRows) {
+    int4_mm_panels(xp, rows, k, xsum, wp, szp, strips, groups, group_size, yp);
+    return y;
+  }
   const int64_t chunks_per_group = group_size / 4;
   const int64_t strip_bytes = k / 4 * kChunkBytes;
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
