@@ -207,3 +207,26 @@ def test_int8_mm_equals_the_dequantized_product(n, k):
         assert rel_err(logits, ref) <= 1e-5, rows       # float32 sums, no bf16 rounding
     ids = torch.tensor([[0, n - 1], [17, 5]])
     torch.testing.assert_close(fast.rows(ids, torch.float32), aten.rows(ids, torch.float32))
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_bf16_linear_uses_the_native_kernel(bias):
+    from llmserve.model.layers.linear import DenseLinearMethod, Linear
+    torch.manual_seed(3)
+    layer = Linear(96, 40, bias=bias, method=DenseLinearMethod(), dtype=torch.bfloat16,
+                   device=torch.device("cpu"))
+    w = torch.randn(40, 96).bfloat16()
+    layer.load("weight", w)
+    if bias:
+        layer.load("bias", torch.randn(40).bfloat16())
+    ref_bias = layer.bias
+    layer.method.process_weights_after_loading(layer)
+    assert layer.native_weight is not None and layer.weight is None     # kept once
+    assert layer.weight_bytes == 48 * 96 * 2 + (80 if bias else 0)      # padded to 16 rows
+    for rows in (1, 3, 8, 9, 13, 30):
+        x = torch.randn(2, rows, 96).bfloat16()
+        ref = x.float() @ w.float().T + (ref_bias.float() if bias else 0)
+        y = layer(x)
+        assert y.shape == (2, rows, 40) and y.dtype == torch.bfloat16
+        assert rel_err(y, ref) <= 0.01, rows

@@ -1,10 +1,11 @@
 """llmserve's own CPU kernels (``model/csrc/*.cpp``), compiled on the machine that runs them.
 
-Three operators, ``torch.ops.llmserve_native``:
+Four operators, ``torch.ops.llmserve_native``:
 
-- ``int4_mm`` / ``int8_mm``: int4 (grouped) / int8 (per channel) weights x bf16 activations
-  by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4` and
-  :mod:`~llmserve.model.quant.native_int8` pack the weights and document the layouts);
+- ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
+  x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
+  :mod:`~llmserve.model.quant.native_int8` and :mod:`llmserve.model.layers.native_dense`
+  pack the weights and document the layouts);
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
   (:mod:`llmserve.model.attention.native_decode`).
 
@@ -114,6 +115,10 @@ def _fake_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        dtype=torch.float32 if float_out else x.dtype)
 
 
+def _fake_bf16_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
 def _fake_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, valid: torch.Tensor, scale: float,
                        softcap: float) -> torch.Tensor:
@@ -143,6 +148,7 @@ def _load() -> bool:
         if not _state.get("fakes"):
             torch.library.register_fake("llmserve_native::int4_mm")(_fake_int4_mm)
             torch.library.register_fake("llmserve_native::int8_mm")(_fake_int8_mm)
+            torch.library.register_fake("llmserve_native::bf16_mm")(_fake_bf16_mm)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels

@@ -16,6 +16,7 @@ from torch import nn
 from llmserve.model.gguf_loader import RawGGUFTensor
 from llmserve.model.layers import cpu_kernels
 from llmserve.model.layers.linear import Linear, LinearMethod
+from llmserve.model.layers.native_dense import bf16_mm, can_pack_native, pack_bf16
 
 _QUANT_CHUNK_ROWS = 4096
 
@@ -88,10 +89,14 @@ class LMHead(nn.Module):
                                  device=device)
         self.vocab_size = vocab_size
         self.packed_id: Optional[int] = None
+        self.native_head: Optional[torch.Tensor] = None
 
     def finish_loading(self, prepack: bool = True) -> None:
-        if self.linear is None and self.tied.weight is not None and prepack \
-                and cpu_kernels.can_prepack(self.tied.weight):
+        if self.linear is not None or self.tied.weight is None or not prepack:
+            return
+        if can_pack_native(self.tied.weight.data):
+            self.native_head = pack_bf16(self.tied.weight.data)
+        elif cpu_kernels.can_prepack(self.tied.weight):
             self.packed_id = cpu_kernels.prepack_linear(self.tied.weight.data)
 
     @property
@@ -99,11 +104,15 @@ class LMHead(nn.Module):
         """Bytes held beyond the embedding table (its own weight, or a packed copy)."""
         if self.linear is not None:
             return self.linear.weight_bytes
+        if self.native_head is not None:
+            return self.native_head.numel() * self.native_head.element_size()
         return cpu_kernels.packed_bytes(self.packed_id) if self.packed_id is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.linear is not None:
             return self.linear(x).float()
+        if self.native_head is not None:
+            return bf16_mm(x, self.native_head, self.vocab_size).float()
         if self.packed_id is not None:
             return cpu_kernels.packed_linear(x, self.packed_id, self.vocab_size).float()
         if self.tied.qweight is not None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers import cpu_kernels
+from llmserve.model.layers.native_dense import bf16_mm, can_pack_native, pack_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,10 @@ def _shard_rows(layer: "Linear", shard: Optional[int]) -> tuple[int, int]:
 class DenseLinearMethod(LinearMethod):
     """Unquantized weights in the model dtype.
 
-    On CPU with bf16 weights and oneDNN present, the weight is also prepacked into oneDNN's
-    blocked layout after loading (``cpu_kernels``), which multiplies at a higher share of the
-    memory bandwidth than ``F.linear`` on the plain layout; the plain copy is then dropped.
+    On CPU with bf16 weights the weight is repacked after loading for llmserve's native bf16
+    kernel (``native_dense``) where it is available, else into oneDNN's blocked layout
+    (``cpu_kernels``); both multiply at a higher share of the memory bandwidth than
+    ``F.linear`` on the plain layout, and the plain copy is then dropped.
     """
 
     def __init__(self, prepack: bool = True) -> None:
@@ -86,6 +88,7 @@ class DenseLinearMethod(LinearMethod):
             layer.bias = nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
                                       requires_grad=False)
         layer.packed_id = None
+        layer.native_weight = None
 
     def load_weight(self, layer: "Linear", name: str, tensor: torch.Tensor,
                     shard: Optional[int]) -> None:
@@ -103,17 +106,28 @@ class DenseLinearMethod(LinearMethod):
         w = layer.weight
         if w is None:   # already packed
             return
-        if self.prepack and cpu_kernels.can_prepack(w):
+        if self.prepack and can_pack_native(w.data):
+            layer.native_weight = pack_bf16(w.data)
+            layer.weight = None  # the native layout replaces it
+        elif self.prepack and cpu_kernels.can_prepack(w):
             layer.packed_id = cpu_kernels.prepack_linear(w.data)
             layer.weight = None  # the packed copy replaces it (no duplicate weights in memory)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        native = getattr(layer, "native_weight", None)
+        if native is not None:
+            y = bf16_mm(x, native, layer.output_size).to(x.dtype)
+            return y if layer.bias is None else y + layer.bias
         if layer.packed_id is not None:
             y = cpu_kernels.packed_linear(x, layer.packed_id, layer.output_size)
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, layer.weight, layer.bias)
 
     def weight_bytes(self, layer: "Linear") -> int:
+        native = getattr(layer, "native_weight", None)
+        if native is not None:
+            extra = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+            return native.numel() * native.element_size() + extra
         if layer.packed_id is not None:
             extra = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
             return cpu_kernels.packed_bytes(layer.packed_id) + extra
