@@ -230,3 +230,18 @@ def test_dense_bf16_linear_uses_the_native_kernel(bias):
         y = layer(x)
         assert y.shape == (2, rows, 40) and y.dtype == torch.bfloat16
         assert rel_err(y, ref) <= 0.01, rows
+
+
+@needs_native
+def test_dense_bf16_lm_head_returns_float32_logits():
+    """A tied bf16 head keeps the float32 sums: near-tied logits are not rounded to bf16's
+    1/8 step at magnitude ~20 (where a greedy pick between them would become a coin flip)."""
+    from llmserve.model.layers.native_dense import bf16_mm, pack_bf16
+    torch.manual_seed(4)
+    w = torch.randn(70, 64).bfloat16()
+    x = (torch.randn(3, 64) * 4).bfloat16()
+    ref = x.float() @ w.float().T
+    logits = bf16_mm(x, pack_bf16(w), 70, float_out=True)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 70)
+    assert rel_err(logits, ref) <= 1e-5
+    assert rel_err(bf16_mm(x, pack_bf16(w), 70), ref) > 1e-4       # bf16 output rounds

@@ -115,8 +115,9 @@ def _fake_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        dtype=torch.float32 if float_out else x.dtype)
 
 
-def _fake_bf16_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+def _fake_bf16_mm(x: torch.Tensor, packed: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 16,
+                       dtype=torch.float32 if float_out else x.dtype)
 
 
 def _fake_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,6 +9,7 @@
 // Up to 8 rows: tiles of all rows x one strip, streamed once (a decode step is a chain of
 // matrix-vector products: this reads the weights at ~0.9x the streaming bandwidth, oneDNN's
 // packed matvec ~0.6x). More rows: tiles of 12 rows x 2 strips (24 float32 accumulators).
+// Outputs are bf16, or float32 with float_out (an LM head: no rounding of near-tied logits).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,9 +31,19 @@ constexpr int kStrip = 16;
 constexpr int kMaxRows = 8;
 constexpr int kPanelRows = 12;
 
+// Stores a float32 row of 16 outputs as bf16, or as float32 (an LM head's logits).
+inline void store16(void* y, int64_t index, __m512 v, bool float_out) {
+  if (float_out) {
+    _mm512_storeu_ps(static_cast<float*>(y) + index, v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + index),
+                        (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
 template <int ROWS, int NACC>
-void strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, uint16_t* y,
-                int64_t ldy) {
+void strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, void* y,
+                int64_t y0, int64_t ldy, bool float_out) {
   __m512 acc[ROWS][NACC];
   for (int r = 0; r < ROWS; ++r)
     for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
@@ -51,13 +62,13 @@ void strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx
   for (int r = 0; r < ROWS; ++r) {
     __m512 s = acc[r][0];
     for (int a = 1; a < NACC; ++a) s = _mm512_add_ps(s, acc[r][a]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(s));
+    store16(y, y0 + r * ldy, s, float_out);
   }
 }
 
 template <int ROWS, int STRIPS>
-void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, uint16_t* y,
-                int64_t ldy) {
+void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, void* y,
+                int64_t y0, int64_t ldy, bool float_out) {
   __m512 acc[ROWS][STRIPS];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -70,12 +81,11 @@ void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < STRIPS; ++t)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + t * kStrip),
-                          (__m256i)_mm512_cvtneps_pbh(acc[r][t]));
+    for (int t = 0; t < STRIPS; ++t) store16(y, y0 + r * ldy + t * kStrip, acc[r][t], float_out);
 }
 
-using TileFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t);
+using TileFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, void*, int64_t,
+                        int64_t, bool);
 
 constexpr TileFn kStripFns[kMaxRows + 1] = {
     nullptr,
@@ -91,7 +101,7 @@ constexpr std::array<TileFn, sizeof...(R)> panel_table(std::index_sequence<R...>
 constexpr auto kPanel1 = panel_table<1>(std::make_index_sequence<kPanelRows + 1>{});
 constexpr auto kPanel2 = panel_table<2>(std::make_index_sequence<kPanelRows + 1>{});
 
-at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_mm: x must be a contiguous 2-D bf16 tensor");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 &&
@@ -101,15 +111,15 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(k % 2 == 0 && packed.size(1) == k * kStrip, "bf16_mm: packed weight is for K=",
               packed.size(1) / kStrip, ", x has K=", k, " (K must be even)");
   const int64_t n = strips * kStrip, pairs = k / 2;
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return y;
   const auto* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  void* yp = y.data_ptr();
   if (rows <= kMaxRows) {
     at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s)
-        kStripFns[rows](wp + s * pairs, pairs, xp, k, yp + s * kStrip, n);
+        kStripFns[rows](wp + s * pairs, pairs, xp, k, yp, s * kStrip, n, float_out);
     });
     return y;
   }
@@ -119,7 +129,8 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed) {
       const auto& table = s0 + 1 < strips ? kPanel2 : kPanel1;
       for (int64_t r0 = 0; r0 < rows; r0 += kPanelRows) {
         const int64_t tile = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
-        table[tile](wp + s0 * pairs, pairs, xp + r0 * k, k, yp + r0 * n + s0 * kStrip, n);
+        table[tile](wp + s0 * pairs, pairs, xp + r0 * k, k, yp, r0 * n + s0 * kStrip, n,
+                    float_out);
       }
     }
   });
@@ -129,6 +140,6 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
-  m.def("bf16_mm(Tensor x, Tensor packed) -> Tensor");
+  m.def("bf16_mm(Tensor x, Tensor packed, bool float_out=False) -> Tensor");
   m.impl("bf16_mm", c10::DispatchKey::CPU, TORCH_FN(bf16_mm));
 }

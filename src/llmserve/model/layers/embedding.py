@@ -112,7 +112,7 @@ class LMHead(nn.Module):
         if self.linear is not None:
             return self.linear(x).float()
         if self.native_head is not None:
-            return bf16_mm(x, self.native_head, self.vocab_size).float()
+            return bf16_mm(x, self.native_head, self.vocab_size, float_out=True)
         if self.packed_id is not None:
             return cpu_kernels.packed_linear(x, self.packed_id, self.vocab_size).float()
         if self.tied.qweight is not None:

@@ -42,12 +42,14 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
         strips, k * STRIP)
 
 
-def bf16_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x (..., K) @ W^T`` -> ``(..., out_features)`` bf16 for a packed weight."""
+def bf16_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+            float_out: bool = False) -> torch.Tensor:
+    """``x (..., K) @ W^T`` -> ``(..., out_features)`` for a packed weight: bf16, or the
+    float32 sums themselves with ``float_out`` (an LM head's logits)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.bfloat16:
         x2 = x2.to(torch.bfloat16)
-    y = torch.ops.llmserve_native.bf16_mm(x2.contiguous(), packed)
+    y = torch.ops.llmserve_native.bf16_mm(x2.contiguous(), packed, float_out)
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     return y.view(*x.shape[:-1], out_features)
