@@ -27,8 +27,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from llmserve.model.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -39,23 +42,12 @@ REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 _FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mfma", "-w"]
 _state: "dict[str, bool]" = {}
+_self_tests: "dict[str, bool]" = {}
 
 
 def kernel_cache_dir() -> Path:
     return Path(os.environ.get("LLMSERVE_KERNEL_CACHE",
                                Path.home() / ".cache" / "llmserve" / "kernels"))
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _compiler() -> "str | None":
@@ -164,3 +156,29 @@ def native_available() -> bool:
     if "ok" not in _state:
         _state["ok"] = _load()
     return _state["ok"]
+
+
+def kernel_checked(name: str, self_test: Callable[[], bool]) -> bool:
+    """The library is loaded and ``self_test`` (the kernel ``name`` against its PyTorch
+    reference) passed: decided once per process and kernel; a failure is logged."""
+    if name not in _self_tests:
+        ok = native_available() and self_test()
+        if native_available() and not ok:
+            logger.warning("native %s kernel failed its self-test: PyTorch's kernels are used",
+                           name)
+        _self_tests[name] = ok
+    return _self_tests[name]
+
+
+def pair_strips(w: torch.Tensor) -> torch.Tensor:
+    """``w (N, K)`` in the native kernels' pair layout, ``(ceil(N/16), K*16)``: strips of 16
+    output rows, each as K/2 vectors of (k, k+1) pairs (element ``2c + t`` of vector ``j`` is
+    ``w[16s + c][2j + t]``). N is padded with zero rows; K must be even."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"the native pair layout needs an even K, got {k}")
+    pad = -n % 16
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    strips = (n + pad) // 16
+    return w.reshape(strips, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(strips, k * 16)

@@ -13,16 +13,11 @@ caches, other dtypes and other devices keep the compiled/eager paths.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from llmserve.model.native import native_available
-
-logger = logging.getLogger(__name__)
-
-_checked: "dict[str, bool]" = {}
+from llmserve.model.native import kernel_checked
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,17 +39,12 @@ def _self_test() -> bool:
     valid = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [7], [1]])
     ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125).float()
     got = paged_decode_native(q, kc, vc, slots, valid, 0.125).float()
-    ok = bool(((got - ref).abs() <= 0.01).all())
-    if not ok:
-        logger.warning("native decode attention failed its self-test: not used")
-    return ok
+    return bool(((got - ref).abs() <= 0.01).all())
 
 
 def native_decode_available() -> bool:
     """The native library is loaded and its decode attention checks out (once per process)."""
-    if "ok" not in _checked:
-        _checked["ok"] = native_available() and _self_test()
-    return _checked["ok"]
+    return kernel_checked("paged_decode", _self_test)
 
 
 def native_decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "pair_tiles.h"
 
 #include <immintrin.h>
 
@@ -26,45 +27,12 @@
 namespace {
 
 using llmserve_native::broadcast_pair;
+using llmserve_native::kPairMaxRows;
+using llmserve_native::kPairRows;
+using llmserve_native::store16;
 
 constexpr int kStrip = 16;
-constexpr int kMaxRows = 8;
 constexpr int kPanelRows = 12;
-
-// Stores a float32 row of 16 outputs as bf16, or as float32 (an LM head's logits).
-inline void store16(void* y, int64_t index, __m512 v, bool float_out) {
-  if (float_out) {
-    _mm512_storeu_ps(static_cast<float*>(y) + index, v);
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + index),
-                        (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
-template <int ROWS, int NACC>
-void strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, void* y,
-                int64_t y0, int64_t ldy, bool float_out) {
-  __m512 acc[ROWS][NACC];
-  for (int r = 0; r < ROWS; ++r)
-    for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + NACC <= pairs; j += NACC)
-    for (int a = 0; a < NACC; ++a) {
-      const __m512bh v = (__m512bh)_mm512_loadu_si512(w + j + a);
-      for (int r = 0; r < ROWS; ++r)
-        acc[r][a] = _mm512_dpbf16_ps(acc[r][a], v, broadcast_pair(x + r * ldx + 2 * (j + a)));
-    }
-  for (; j < pairs; ++j) {
-    const __m512bh v = (__m512bh)_mm512_loadu_si512(w + j);
-    for (int r = 0; r < ROWS; ++r)
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v, broadcast_pair(x + r * ldx + 2 * j));
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    __m512 s = acc[r][0];
-    for (int a = 1; a < NACC; ++a) s = _mm512_add_ps(s, acc[r][a]);
-    store16(y, y0 + r * ldy, s, float_out);
-  }
-}
 
 template <int ROWS, int STRIPS>
 void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, void* y,
@@ -86,12 +54,6 @@ void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx
 
 using TileFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, void*, int64_t,
                         int64_t, bool);
-
-constexpr TileFn kStripFns[kMaxRows + 1] = {
-    nullptr,
-    strip_rows<1, 4>, strip_rows<2, 4>, strip_rows<3, 2>, strip_rows<4, 2>,
-    strip_rows<5, 1>, strip_rows<6, 1>, strip_rows<7, 1>, strip_rows<8, 1>,
-};
 
 template <int STRIPS, size_t... R>
 constexpr std::array<TileFn, sizeof...(R)> panel_table(std::index_sequence<R...>) {
@@ -116,10 +78,10 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed, bool float_out
   const auto* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   void* yp = y.data_ptr();
-  if (rows <= kMaxRows) {
+  if (rows <= kPairMaxRows) {
     at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s)
-        kStripFns[rows](wp + s * pairs, pairs, xp, k, yp, s * kStrip, n, float_out);
+        kPairRows[rows](wp + s * pairs, pairs, xp, k, nullptr, yp, s * kStrip, n, float_out);
     });
     return y;
   }

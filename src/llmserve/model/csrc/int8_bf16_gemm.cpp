@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "pair_tiles.h"
 
 #include <immintrin.h>
 
@@ -26,11 +27,11 @@
 
 namespace {
 
-using llmserve_native::broadcast_pair;
+using llmserve_native::kPairMaxRows;
+using llmserve_native::kPairRows;
 using llmserve_native::load_bf16x16;
 
 constexpr int kStrip = 16;
-constexpr int kMaxRows = 8;
 
 void convert_strip(const int8_t* w, int64_t pairs, __m512bh* out) {
   for (int64_t j = 0; j < pairs; ++j) {
@@ -40,45 +41,6 @@ void convert_strip(const int8_t* w, int64_t pairs, __m512bh* out) {
     out[j] = _mm512_cvtne2ps_pbh(hi, lo);
   }
 }
-
-template <int ROWS, int NACC>
-void strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx,
-                __m512 scale, void* y, int64_t ldy, bool float_out) {
-  __m512 acc[ROWS][NACC];
-  for (int r = 0; r < ROWS; ++r)
-    for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + NACC <= pairs; j += NACC) {
-    for (int a = 0; a < NACC; ++a) {
-      const __m512bh v = w[j + a];
-      for (int r = 0; r < ROWS; ++r)
-        acc[r][a] = _mm512_dpbf16_ps(acc[r][a], v, broadcast_pair(x + r * ldx + 2 * (j + a)));
-    }
-  }
-  for (; j < pairs; ++j)
-    for (int r = 0; r < ROWS; ++r)
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w[j], broadcast_pair(x + r * ldx + 2 * j));
-  for (int r = 0; r < ROWS; ++r) {
-    __m512 s = acc[r][0];
-    for (int a = 1; a < NACC; ++a) s = _mm512_add_ps(s, acc[r][a]);
-    const __m512 v = _mm512_mul_ps(s, scale);
-    if (float_out) {
-      _mm512_storeu_ps(static_cast<float*>(y) + r * ldy, v);
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ldy),
-                          (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
-}
-
-using RowsFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, __m512, void*,
-                        int64_t, bool);
-
-constexpr RowsFn kRowsFns[kMaxRows + 1] = {
-    nullptr,
-    strip_rows<1, 4>, strip_rows<2, 4>, strip_rows<3, 2>, strip_rows<4, 2>,
-    strip_rows<5, 1>, strip_rows<6, 1>, strip_rows<7, 1>, strip_rows<8, 1>,
-};
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                    bool float_out) {
@@ -98,17 +60,16 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int8_t* wp = packed.data_ptr<int8_t>();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  char* yp = static_cast<char*>(y.data_ptr());
-  const int64_t out_bytes = float_out ? 4 : 2;
+  void* yp = y.data_ptr();
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> buf(static_cast<size_t>(pairs));
     for (int64_t s = begin; s < end; ++s) {
       convert_strip(wp + s * k * kStrip, pairs, buf.data());
       const __m512 sc = load_bf16x16(sp + s * kStrip);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
-        kRowsFns[tile](buf.data(), pairs, xp + r0 * k, k, sc,
-                       yp + (r0 * n + s * kStrip) * out_bytes, n, float_out);
+      for (int64_t r0 = 0; r0 < rows; r0 += kPairMaxRows) {
+        const int64_t tile = rows - r0 < kPairMaxRows ? rows - r0 : kPairMaxRows;
+        kPairRows[tile](buf.data(), pairs, xp + r0 * k, k, &sc, yp, r0 * n + s * kStrip, n,
+                        float_out);
       }
     }
   });

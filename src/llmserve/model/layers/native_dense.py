@@ -16,30 +16,15 @@ N is padded to 16 with zero rows (the output is cut back); K must be even.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
-from llmserve.model.native import native_available
-
-logger = logging.getLogger(__name__)
-
-STRIP = 16
-_checked: "dict[str, bool]" = {}
+from llmserve.model.native import kernel_checked, pair_strips
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """bf16 ``(ceil(N/16), K*16)`` of a weight ``(N, K)`` (K even), zero rows padding N."""
-    n, k = w.shape
-    if k % 2:
-        raise ValueError(f"native bf16 packing needs an even K, got {k}")
-    pad = -n % STRIP
-    w = w.to(torch.bfloat16)
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, k)])
-    strips = (n + pad) // STRIP
-    return w.view(strips, STRIP, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(
-        strips, k * STRIP)
+    return pair_strips(w.to(torch.bfloat16))
 
 
 def bf16_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -65,16 +50,12 @@ def _self_test() -> bool:
         ref = x.float() @ w.float().T
         y = bf16_mm(x, packed, 40).float()
         ok = ok and bool(((y - ref).abs() <= 0.01 * ref.abs() + 0.02).all())
-    if not ok:
-        logger.warning("native bf16 kernel failed its self-test: dense weights use oneDNN")
     return ok
 
 
 def native_dense_available() -> bool:
     """The native library is loaded and its bf16 product checks out (once per process)."""
-    if "ok" not in _checked:
-        _checked["ok"] = native_available() and _self_test()
-    return _checked["ok"]
+    return kernel_checked("bf16", _self_test)
 
 
 def can_pack_native(weight: torch.Tensor) -> bool:

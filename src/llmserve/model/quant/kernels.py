@@ -308,18 +308,18 @@ class Int8Weight(nn.Module):
         if native and not self.native:
             raise ValueError("the native int8 kernel is not available for this weight/machine")
         scale = scale.to(KERNEL_DTYPE)
-        if self.native:
-            pad = -self.out_features % 16      # zero rows with a zero scale
-            q = torch.cat([q, q.new_zeros(pad, self.in_features)]) if pad else q
-            scale = torch.cat([scale, scale.new_zeros(pad)]) if pad else scale
-            q = pack_int8(q.contiguous())
+        if self.native:   # packing pads N to 16 with zero rows: give them a zero scale
+            q = pack_int8(q)
+            scale = torch.cat([scale, scale.new_zeros(q.shape[0] * 16 - self.out_features)])
         self.register_buffer("qweight", q.contiguous(), persistent=False)
         self.register_buffer("scale", scale.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
         if self.native:
-            y = native_int8_mm(x2, self.qweight, self.scale)[:, :self.out_features]
+            y = native_int8_mm(x2, self.qweight, self.scale)
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]
         elif x2.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph: inductor fuses this into one reduction over the
             # int8 bytes, 1.4-1.5x faster than the pack kernel at the default model's LM

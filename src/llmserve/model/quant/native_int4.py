@@ -21,16 +21,12 @@ Zero-extending a chunk's 32 bytes to words and looking the nibbles up gives two 
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
-from llmserve.model.native import native_available
-
-logger = logging.getLogger(__name__)
+from llmserve.model.native import kernel_checked
 
 STRIP = 16
-_checked: "dict[str, bool]" = {}
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -65,14 +61,9 @@ def _self_test() -> bool:
     w = ((q.float() - 8).view(32, 2, 32) * scale[..., None] + zero[..., None]).view(32, 64)
     y = int4_mm(x, *pack_int4(q, scale, zero, 32), 32).float()
     ref = x.float() @ w.T
-    ok = bool(((y - ref).abs() <= 0.01 * ref.abs() + 0.02).all())
-    if not ok:
-        logger.warning("native int4 kernel failed its self-test: using PyTorch's int4 kernel")
-    return ok
+    return bool(((y - ref).abs() <= 0.01 * ref.abs() + 0.02).all())
 
 
 def native_int4_available() -> bool:
     """The native library is loaded and its int4 product checks out (once per process)."""
-    if "ok" not in _checked:
-        _checked["ok"] = native_available() and _self_test()
-    return _checked["ok"]
+    return kernel_checked("int4", _self_test)

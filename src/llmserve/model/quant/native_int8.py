@@ -16,25 +16,17 @@ the same bytes as the row-major table, reordered; embedding lookups read rows ba
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
-from llmserve.model.native import native_available
-
-logger = logging.getLogger(__name__)
+from llmserve.model.native import kernel_checked, pair_strips
 
 STRIP = 16
-_checked: "dict[str, bool]" = {}
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """int8 ``(N/16, K*16)`` of codes ``q (N, K)``, N a multiple of 16 and K even."""
-    n, k = q.shape
-    if n % STRIP or k % 2:
-        raise ValueError(f"native int8 packing needs N % 16 == 0 and an even K, got N={n}, K={k}")
-    return q.view(n // STRIP, STRIP, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(
-        n // STRIP, k * STRIP)
+    """int8 ``(ceil(N/16), K*16)`` of codes ``q (N, K)`` (K even; zero rows pad N)."""
+    return pair_strips(q)
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -60,14 +52,10 @@ def _self_test() -> bool:
     ref = x.float() @ (q.float() * scale.float()[:, None]).T
     y = int8_mm(x, pack_int8(q), scale).float()
     ok = bool(((y - ref).abs() <= 0.01 * ref.abs() + 0.02).all())
-    ok = ok and torch.equal(packed_rows(pack_int8(q), torch.tensor([0, 17, 47])), q[[0, 17, 47]])
-    if not ok:
-        logger.warning("native int8 kernel failed its self-test: using PyTorch's int8 paths")
-    return ok
+    return ok and torch.equal(packed_rows(pack_int8(q), torch.tensor([0, 17, 47])),
+                              q[[0, 17, 47]])
 
 
 def native_int8_available() -> bool:
     """The native library is loaded and its int8 product checks out (once per process)."""
-    if "ok" not in _checked:
-        _checked["ok"] = native_available() and _self_test()
-    return _checked["ok"]
+    return kernel_checked("int8", _self_test)
