@@ -103,6 +103,23 @@ def test_paged_decode_equals_the_inplace_reference(h, hkv, d, softcap):
 
 
 @needs_native
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 48, 70])
+@pytest.mark.parametrize("h,hkv", [(9, 3), (6, 1)])
+def test_paged_decode_scores_by_blocks_of_16_keys(length, h, hkv):
+    # the fixed kernels score 16 keys at a time: partial blocks, a fully masked block
+    # (a sliding window past the first 16 keys) and masked keys inside a block
+    q, kc, vc, slots, valid = _decode_case(4, h, hkv, 64, length, seed=length)
+    valid[:] = True
+    if length > 20:
+        valid[2, :16] = False
+        valid[3, 5:19] = False
+    valid[1, length - 1] = False if length > 1 else True
+    ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125)
+    got = paged_decode_native(q, kc, vc, slots, valid, 0.125)
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_native
 def test_paged_decode_with_no_valid_key_returns_zeros():
     q, kc, vc, slots, valid = _decode_case(2, 4, 2, 64, 20)
     valid[1] = False

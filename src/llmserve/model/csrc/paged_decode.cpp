@@ -120,42 +120,87 @@ void decode_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const
   }
 }
 
+// Sixteen vectors -> one: lane i holds the sum of v[i]'s sixteen lanes. Four levels of
+// pairwise combines (45 shuffles and adds for 16 sums, against ~8 ops for each sum alone):
+//
+//   v[16] --unpack_ps, add--> a[8]  --unpack_pd, add--> b[4]   (each 128-bit lane: 4 sums'
+//   partials, in order) --shuffle_f32x4, add--> d[2] --shuffle_f32x4, add--> r
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // The same computation with the head size and group as constants: the query pairs and the
-// value sums stay in registers, and q.k is two vdpbf16ps per 32 dims (exact products).
+// value sums stay in registers, q.k is DC/2 vdpbf16ps per key (exact products), and the
+// scores of 16 keys are summed across lanes together (sum_lanes16) and stored as a vector.
 template <int DC, int G>
 void decode_fixed(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                   const int64_t* slots, const bool* valid, int64_t len, int64_t row_stride,
                   float scale, float softcap, uint16_t* out, std::vector<float>& buf) {
   constexpr int d = DC * 16;
-  buf.resize(static_cast<size_t>(G * len));
-  float* scores = buf.data();
+  const int64_t padded = (len + 15) / 16 * 16;
+  buf.resize(static_cast<size_t>(G * padded));
+  float* scores = buf.data();                       // (G, padded)
   __m512bh qp[G][DC / 2];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC / 2; ++c)
       qp[g][c] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float peak[G];
-  for (int g = 0; g < G; ++g) peak[g] = neg_inf;
-  for (int64_t l = 0; l < len; ++l) {
-    if (!valid[l]) {
-      for (int g = 0; g < G; ++g) scores[g * len + l] = neg_inf;
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
+  __m512 vpeak[G];
+  for (int g = 0; g < G; ++g) vpeak[g] = vneg_inf;
+  for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    const int n = len - l0 < 16 ? static_cast<int>(len - l0) : 16;
+    __mmask16 live = 0;
+    const uint16_t* krow[16];
+    for (int i = 0; i < 16; ++i) {
+      const bool in = i < n && valid[l0 + i];
+      live = static_cast<__mmask16>(live | (static_cast<unsigned>(in) << i));
+      krow[i] = in ? kc + slots[l0 + i] * row_stride : kc;   // masked keys read row 0
+    }
+    if (!live) {           // a block past a causal row's position or outside its window
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded + l0, vneg_inf);
       continue;
     }
-    const uint16_t* krow = kc + slots[l] * row_stride;
-    __m512bh k[DC / 2];
-    for (int c = 0; c < DC / 2; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + 32 * c);
     for (int g = 0; g < G; ++g) {
-      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[g][0], k[0]);
-      for (int c = 1; c < DC / 2; ++c) s = _mm512_dpbf16_ps(s, qp[g][c], k[c]);
-      float v = _mm512_reduce_add_ps(s) * scale;
-      if (softcap > 0.f) v = std::tanh(v / softcap) * softcap;
-      scores[g * len + l] = v;
-      peak[g] = v > peak[g] ? v : peak[g];
+      __m512 part[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        part[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[g][0],
+                                   (__m512bh)_mm512_loadu_si512(krow[i]));
+#pragma GCC unroll 8
+        for (int c = 1; c < DC / 2; ++c)
+          part[i] = _mm512_dpbf16_ps(part[i], qp[g][c],
+                                     (__m512bh)_mm512_loadu_si512(krow[i] + 32 * c));
+      }
+      __m512 s = _mm512_mul_ps(sum_lanes16(part), vscale);
+      if (softcap > 0.f) {
+        alignas(64) float t[16];
+        _mm512_store_ps(t, s);
+        for (int i = 0; i < 16; ++i) t[i] = std::tanh(t[i] / softcap) * softcap;
+        s = _mm512_load_ps(t);
+      }
+      s = _mm512_mask_mov_ps(vneg_inf, live, s);
+      vpeak[g] = _mm512_max_ps(vpeak[g], s);
+      _mm512_storeu_ps(scores + g * padded + l0, s);
     }
   }
   float inv[G];
   for (int g = 0; g < G; ++g) {
-    const float total = softmax_row(scores + g * len, len, peak[g]);
+    const float total = softmax_row(scores + g * padded, len, _mm512_reduce_max_ps(vpeak[g]));
     inv[g] = total > 0.f ? 1.f / total : 0.f;
   }
   __m512 acc[G][DC];
@@ -164,10 +209,11 @@ void decode_fixed(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
   for (int64_t l = 0; l < len; ++l) {
     if (!valid[l]) continue;
     const uint16_t* vrow = vc + slots[l] * row_stride;
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * padded + l]);
     for (int c = 0; c < DC; ++c) {
       const __m512 v = load_bf16x16(vrow + 16 * c);
-      for (int g = 0; g < G; ++g)
-        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + l]), v, acc[g][c]);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
