@@ -51,6 +51,12 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: hand each stream its delta of one step, in engine order."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncLLM:
     """Async front of an LLMEngine running on its own thread."""
 
@@ -314,6 +320,18 @@ class AsyncLLM:
         if stream is not None:
             stream.put(out)
 
+    def _deliver_step(self, outs: list[RequestOutput]) -> None:
+        """One step's deltas with one wake-up per event loop, not one per stream: every
+        ``call_soon_threadsafe`` writes to the loop's self-pipe and takes the GIL from
+        the loop thread (at 24 streams that was ~4% of the engine thread's time)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _loop(self) -> None:
         engine = self.engine
         idle = False
@@ -341,8 +359,7 @@ class AsyncLLM:
                                          "aborting in-flight requests")
                         self._fail_all(exc)
                         outs = []
-                    for out in outs:
-                        self._deliver(out)
+                    self._deliver_step(outs)
                     idle = not outs and not engine.scheduler.running
                 self._stats = engine.get_stats()
         except BaseException as exc:  # noqa: BLE001 - report the crash to every caller

@@ -201,6 +201,43 @@ def test_async_reused_id_and_shutdown(tiny_path):
         engine.shutdown()
 
 
+def test_async_streams_get_one_step_in_one_wake_up(tiny_path):
+    # four streams decoding together: each step's deltas reach the event loop in one
+    # call_soon_threadsafe (not one per stream), in order, and match an offline run
+    engine = AsyncLLM(LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4).engine)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def collect(i: int) -> list[int]:
+        return [t async for o in engine.generate(PROMPTS[i % len(PROMPTS)], params, f"s{i}")
+                for t in o.outputs[0].token_ids]
+
+    async def main() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        calls = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        try:
+            return list(await asyncio.gather(*(collect(i) for i in range(4)))), calls
+        finally:
+            loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+
+    try:
+        streams, wake_ups = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    alone = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4).generate(
+        [PROMPTS[i % len(PROMPTS)] for i in range(4)], params)
+    assert streams == [o.outputs[0].token_ids for o in alone]
+    # per-stream delivery would take 4 x 12 = 48 wake-ups; per step about 12-16
+    assert 12 <= wake_ups <= 24
+
+
 def test_async_engine_audits_kv_ledger_when_idle(tiny_path):
     import time
 

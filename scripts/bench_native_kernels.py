@@ -1,0 +1,123 @@
+"""Time llmserve's native CPU kernels at the default model's shapes (one op at a time).
+
+    python scripts/bench_native_kernels.py [--json FILE] [--repeats N]
+
+Prints one line per case: the op, its shape, the time per call (the first quartile of
+``--repeats`` calls after a warm-up) and, for the products, GFLOP/s. Side-by-side figures
+for a change come from running this under the tree before and after it, alternated
+(``PYTHONPATH=<old tree>/src python scripts/bench_native_kernels.py``; the kernel cache is
+keyed by the sources, so both trees keep their own build). Exits 2 where the kernels are
+unavailable (no AVX512-BF16 or no compiler).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable
+
+import torch
+
+# SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49152, groups of 32
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, GROUP = 576, 9, 3, 64, 1536, 49152, 32
+LINEARS = {"qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN),
+           "gate_up": (HIDDEN, 2 * MLP), "down": (MLP, HIDDEN)}
+
+
+def time_call(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds per call: the first quartile of ``repeats`` timed calls after 5 warm-ups."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 4]
+
+
+def int4_cases(repeats: int) -> list[dict]:
+    from llmserve.model.quant.native_int4 import pack_int4
+    rows_out = []
+    for rows in (1, 8, 24, 128, 1024):
+        total = 0.0
+        for name, (k, n) in LINEARS.items():
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            packed, sz = pack_int4(q, torch.rand(n, k // GROUP) * 0.01,
+                                   torch.randn(n, k // GROUP) * 0.01, GROUP)
+            x = torch.randn(rows, k).bfloat16()
+            s = time_call(lambda: torch.ops.llmserve_native.int4_mm(x, packed, sz, GROUP),
+                          repeats)
+            total += s
+            rows_out.append({"op": "int4_mm", "case": f"{name} {k}x{n}", "rows": rows,
+                             "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9})
+        rows_out.append({"op": "int4_mm", "case": "one layer (4 products)", "rows": rows,
+                         "us": total * 1e6})
+    return rows_out
+
+
+def head_cases(repeats: int) -> list[dict]:
+    from llmserve.model.quant.native_int8 import pack_int8
+    packed = pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8))
+    scale = torch.rand(VOCAB).bfloat16()
+    out = []
+    for rows in (1, 8, 24, 32):
+        x = torch.randn(rows, HIDDEN).bfloat16()
+        s = time_call(lambda: torch.ops.llmserve_native.int8_mm(x, packed, scale, True), repeats)
+        out.append({"op": "int8_mm", "case": f"LM head {HIDDEN}x{VOCAB}", "rows": rows,
+                    "us": s * 1e6, "gflops": 2 * rows * HIDDEN * VOCAB / s / 1e9})
+    return out
+
+
+def attention_cases(repeats: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    slots_total = 65536
+    kc = torch.randn(slots_total, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    vc = torch.randn(slots_total, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    out = []
+
+    def run(case: str, b: int, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        q = torch.randn(b, HEADS, HEAD_DIM, generator=gen).bfloat16()
+        s = time_call(lambda: torch.ops.llmserve_native.paged_decode(q, kc, vc, slots, valid,
+                                                                     0.125, 0.0), repeats)
+        out.append({"op": "paged_decode", "case": case, "rows": b, "us": s * 1e6})
+
+    for b, length in ((1, 192), (8, 192), (24, 192), (24, 1024)):
+        blocks = torch.randperm(slots_total // 16, generator=gen)[:b * (length // 16)].view(b, -1)
+        slots = (blocks.unsqueeze(-1) * 16 + torch.arange(16)).view(b, -1).contiguous()
+        run(f"decode, {length} keys each", b, slots, torch.ones(b, length, dtype=torch.bool))
+    # a prefill chunk of 8 prompts x 128 tokens: one row per token, its causal keys
+    blocks = torch.randperm(slots_total // 16, generator=gen)[:64].view(8, 8)
+    per_prompt = (blocks.unsqueeze(-1) * 16 + torch.arange(16)).view(8, 128)
+    slots = per_prompt.repeat_interleave(128, 0).contiguous()
+    valid = (torch.arange(128).unsqueeze(0) <= (torch.arange(1024) % 128).unsqueeze(1))
+    run("prefill rows, 8 x 128 causal", 1024, slots, valid.contiguous())
+    return out
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--repeats", type=int, default=40)
+    args = p.parse_args(argv)
+    from llmserve.model.native import native_available
+    if not native_available():
+        print("native kernels unavailable here (AVX512-BF16 and a C++ compiler needed)",
+              file=sys.stderr)
+        return 2
+    rows = (int4_cases(args.repeats) + head_cases(args.repeats)
+            + attention_cases(args.repeats))
+    print(f"torch threads: {torch.get_num_threads()}")
+    for r in rows:
+        flops = f"  {r['gflops']:6.0f} GFLOP/s" if "gflops" in r else ""
+        print(f"{r['op']:13s} {r['case']:30s} rows {r['rows']:5d}  {r['us']:9.1f} us{flops}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
