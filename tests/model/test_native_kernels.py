@@ -9,7 +9,13 @@ On a CPU without AVX512-BF16 the kernel tests skip and the fallback tests still 
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,3 +268,36 @@ def test_dense_bf16_lm_head_returns_float32_logits():
     assert logits.dtype == torch.float32 and logits.shape == (3, 70)
     assert rel_err(logits, ref) <= 1e-5
     assert rel_err(bf16_mm(x, pack_bf16(w), 70), ref) > 1e-4       # bf16 output rounds
+
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent / "src")}
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+@needs_native
+def test_bench_native_kernels_script_prints_and_writes_figures(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = _run_script("bench_native_kernels.py", "--repeats", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"int4_mm", "int8_mm", "paged_decode"}
+    assert all(r["us"] > 0 for r in rows)
+    assert "paged_decode  prefill rows" in proc.stdout
+
+
+def test_step_timeline_script_runs_a_burst(tiny_path):
+    proc = _run_script("step_timeline.py", "--num-prompts", "3", "--input-len", "20",
+                       "--output-len", "5", "--repeats", "1", f"model={tiny_path}",
+                       "enforce_eager=True", "max_num_batched_tokens=32", "num_kv_blocks=64")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # 60 prompt tokens under a 32-token budget: two prompt steps, then the decodes
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("repeat 0:"))
+    m = re.search(r"([\d.]+) output tok/s, (\d+) steps; prompt steps \(budget 32 tokens\) "
+                  r"([\d.]+), ([\d.]+) s; decode steps [\d.]+ s, median [\d.]+ ms", line)
+    assert m, line
+    assert float(m.group(1)) > 0 and 5 <= int(m.group(2)) <= 8
