@@ -58,6 +58,30 @@ def int4_cases(repeats: int) -> list[dict]:
     return rows_out
 
 
+def int4_step_cases(repeats: int) -> list[dict]:
+    """A decode step's 120 products with 30 layers' distinct weights (69 MB): each call
+    streams its weights from memory, as in the model, instead of finding them cached."""
+    from llmserve.model.quant.native_int4 import pack_int4
+    weights = []
+    for _ in range(30):
+        for k, n in LINEARS.values():
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            weights.append((k, *pack_int4(q, torch.rand(n, k // GROUP) * 0.01,
+                                          torch.randn(n, k // GROUP) * 0.01, GROUP)))
+    out = []
+    for rows in (1, 8, 24):
+        xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
+
+        def step() -> None:
+            for k, packed, sz in weights:
+                torch.ops.llmserve_native.int4_mm(xs[k], packed, sz, GROUP)
+        s = time_call(step, max(3, repeats // 4))
+        out.append({"op": "int4_mm", "case": "a step's 120 products, streamed", "rows": rows,
+                    "us": s * 1e6, "gflops": 2 * rows * 30 * sum(k * n for k, n in
+                                                               LINEARS.values()) / s / 1e9})
+    return out
+
+
 def head_cases(repeats: int) -> list[dict]:
     from llmserve.model.quant.native_int8 import pack_int8
     packed = pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8))
@@ -107,7 +131,7 @@ def main(argv: "list[str] | None" = None) -> int:
         print("native kernels unavailable here (AVX512-BF16 and a C++ compiler needed)",
               file=sys.stderr)
         return 2
-    rows = (int4_cases(args.repeats) + head_cases(args.repeats)
+    rows = (int4_cases(args.repeats) + int4_step_cases(args.repeats) + head_cases(args.repeats)
             + attention_cases(args.repeats))
     print(f"torch threads: {torch.get_num_threads()}")
     for r in rows:

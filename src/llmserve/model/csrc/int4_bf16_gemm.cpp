@@ -38,6 +38,8 @@ using llmserve_native::load_bf16x16;
 constexpr int kStrip = 16;      // output channels per strip (one fp32 zmm)
 constexpr int kChunkBytes = 32; // 4 k's x 16 channels x 4 bits
 constexpr int kMaxRows = 8;     // activation rows per tile
+constexpr int64_t kPrefetchBytes = 2048;  // row tiles: prefetch distance of the codes,
+constexpr int64_t kPrefetchGroups = 8;    // ... and of the scales (in groups)
 constexpr int64_t kPanelMinRows = 64;  // from here: expanded panels (int4_mm_panels)
 
 struct CodeTable {
@@ -67,6 +69,15 @@ void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
     for (int r = 0; r < ROWS; ++r)
       for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
     const uint8_t* wg = w + g * chunks_per_group * kChunkBytes;
+    // the codes a few groups ahead: with 2+ rows of products per code the hardware
+    // prefetcher falls behind; past the strip's end this touches the next strip, which
+    // the thread most likely takes next (one row streams fine without it)
+    if constexpr (ROWS >= 2) {
+      for (int64_t off = 0; off < chunks_per_group * kChunkBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchBytes + off), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sz + (g + kPrefetchGroups) * 2 * kStrip),
+                   _MM_HINT_T0);
+    }
     const int64_t k0 = g * chunks_per_group * 4;
     for (int64_t c = 0; c < chunks_per_group; c += 2) {
 #pragma GCC unroll 2

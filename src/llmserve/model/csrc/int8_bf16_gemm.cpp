@@ -33,8 +33,14 @@ using llmserve_native::load_bf16x16;
 
 constexpr int kStrip = 16;
 
+// Prefetch distance of the int8 codes: a strip streams from memory (the LM head is larger
+// than the caches) and its conversion alone does not cover the DRAM latency.
+constexpr int64_t kPrefetchBytes = 2048;
+
 void convert_strip(const int8_t* w, int64_t pairs, __m512bh* out) {
   for (int64_t j = 0; j < pairs; ++j) {
+    if (j % 2 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(w + 32 * j + kPrefetchBytes), _MM_HINT_T0);
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));

@@ -32,6 +32,10 @@ void pair_strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_
   int64_t j = 0;
   for (; j + NACC <= pairs; j += NACC)
     for (int a = 0; a < NACC; ++a) {
+      // bf16_mm streams its weights from memory: with 2+ rows of products per vector the
+      // hardware prefetcher falls behind, so fetch 32 vectors (2 KiB) ahead
+      if constexpr (ROWS >= 2)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j + a + 32), _MM_HINT_T0);
       const __m512bh v = (__m512bh)_mm512_loadu_si512(w + j + a);
       for (int r = 0; r < ROWS; ++r)
         acc[r][a] = _mm512_dpbf16_ps(acc[r][a], v, broadcast_pair(x + r * ldx + 2 * (j + a)));
