@@ -38,6 +38,12 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("engine_args", nargs="*", help="engine flags as key=value")
     args = p.parse_args(argv)
+    bad = [a for a in args.engine_args if "=" not in a]
+    if bad:
+        p.error(f"engine flags go as key=value, got {' '.join(bad)}")
+    if args.output_len < 2 or args.num_prompts < 1 or args.input_len < 1:
+        p.error("--output-len must be >= 2 (one decode step at least), --num-prompts and "
+                "--input-len >= 1")
     kwargs = dict(a.split("=", 1) for a in args.engine_args)
     llm = LLM(**{k: _value(v) for k, v in kwargs.items()})
     engine = llm.engine
@@ -61,7 +67,7 @@ def main(argv: "list[str] | None" = None) -> int:
         wall = time.perf_counter() - t0
         budget = engine.config.max_num_batched_tokens
         prompt_steps = -(-args.num_prompts * args.input_len // budget)
-        decode = sorted(steps[prompt_steps:])
+        decode = sorted(steps[prompt_steps:]) or [0.0]
         tokens = args.num_prompts * args.output_len
         print(f"repeat {rep}: {wall:.2f} s, {tokens / wall:.1f} output tok/s, {len(steps)} "
               f"steps; prompt steps (budget {budget} tokens) "

@@ -234,8 +234,9 @@ def test_async_streams_get_one_step_in_one_wake_up(tiny_path):
     alone = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4).generate(
         [PROMPTS[i % len(PROMPTS)] for i in range(4)], params)
     assert streams == [o.outputs[0].token_ids for o in alone]
-    # per-stream delivery would take 4 x 12 = 48 wake-ups; per step about 12-16
-    assert 12 <= wake_ups <= 24
+    # per-stream delivery would take 4 x 12 = 48 wake-ups, two per step 24; one per
+    # step 12 (one token a step) plus a step or two while the four adds arrive
+    assert 12 <= wake_ups <= 18
 
 
 def test_async_engine_audits_kv_ledger_when_idle(tiny_path):

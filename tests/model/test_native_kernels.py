@@ -110,19 +110,45 @@ def test_paged_decode_equals_the_inplace_reference(h, hkv, d, softcap):
 
 @needs_native
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 48, 70])
-@pytest.mark.parametrize("h,hkv", [(9, 3), (6, 1)])
-def test_paged_decode_scores_by_blocks_of_16_keys(length, h, hkv):
+@pytest.mark.parametrize("h,hkv,d,softcap", [(9, 3, 64, None), (6, 1, 64, None),
+                                             (6, 2, 128, 30.0)])
+def test_paged_decode_scores_by_blocks_of_16_keys(length, h, hkv, d, softcap):
     # the fixed kernels score 16 keys at a time: partial blocks, a fully masked block
     # (a sliding window past the first 16 keys) and masked keys inside a block
-    q, kc, vc, slots, valid = _decode_case(4, h, hkv, 64, length, seed=length)
+    q, kc, vc, slots, valid = _decode_case(4, h, hkv, d, length, seed=length)
     valid[:] = True
     if length > 20:
         valid[2, :16] = False
         valid[3, 5:19] = False
     valid[1, length - 1] = False if length > 1 else True
-    ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125)
-    got = paged_decode_native(q, kc, vc, slots, valid, 0.125)
+    ref = paged_decode_inplace(q, kc, vc, slots, valid, d ** -0.5, softcap)
+    got = paged_decode_native(q, kc, vc, slots, valid, d ** -0.5, softcap)
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_native
+def test_paged_decode_ignores_a_nan_key_that_is_masked():
+    # a masked key whose cache row holds NaN (never written) leaves the output finite
+    q, kc, vc, slots, valid = _decode_case(2, 9, 3, 64, 40)
+    valid[:] = True
+    valid[0, 20] = False
+    kc[slots[0, 20]] = float("nan")
+    vc[slots[0, 20]] = float("nan")
+    out = paged_decode_native(q, kc, vc, slots, valid, 0.125)
+    assert torch.isfinite(out[0].float()).all()
+    ref = paged_decode_inplace(q[1:], kc, vc, slots[1:], valid[1:], 0.125)
+    torch.testing.assert_close(out[1:].float(), ref.float(), atol=1e-2, rtol=1e-2)
+    # a valid key whose K row is NaN (its score is NaN) drops out of the softmax instead
+    # of becoming the peak: the output is that of the other keys, wherever it sits
+    for pos in (3, 33):
+        q, kc, vc, slots, valid = _decode_case(1, 9, 3, 64, 40, seed=pos)
+        valid[:] = True
+        kc[slots[0, pos]] = float("nan")
+        out = paged_decode_native(q, kc, vc, slots, valid, 0.125)
+        without = valid.clone()
+        without[0, pos] = False
+        ref = paged_decode_inplace(q, kc, vc, slots, without, 0.125)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
 
 
 @needs_native

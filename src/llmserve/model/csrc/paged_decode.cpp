@@ -194,7 +194,7 @@ void decode_fixed(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
         s = _mm512_load_ps(t);
       }
       s = _mm512_mask_mov_ps(vneg_inf, live, s);
-      vpeak[g] = _mm512_max_ps(vpeak[g], s);
+      vpeak[g] = _mm512_max_ps(s, vpeak[g]);   // a NaN score never becomes the peak
       _mm512_storeu_ps(scores + g * padded + l0, s);
     }
   }
