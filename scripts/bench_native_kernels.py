@@ -38,15 +38,20 @@ def time_call(fn: Callable[[], object], repeats: int) -> float:
     return times[len(times) // 4]
 
 
-def int4_cases(repeats: int) -> list[dict]:
+def random_int4(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random ``(n, k)`` int4 weight in the native layout: ``(packed, scales_zeros)``."""
     from llmserve.model.quant.native_int4 import pack_int4
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    return pack_int4(q, torch.rand(n, k // GROUP) * 0.01, torch.randn(n, k // GROUP) * 0.01,
+                     GROUP)
+
+
+def int4_cases(repeats: int) -> list[dict]:
     rows_out = []
     for rows in (1, 8, 24, 128, 1024):
         total = 0.0
         for name, (k, n) in LINEARS.items():
-            q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            packed, sz = pack_int4(q, torch.rand(n, k // GROUP) * 0.01,
-                                   torch.randn(n, k // GROUP) * 0.01, GROUP)
+            packed, sz = random_int4(k, n)
             x = torch.randn(rows, k).bfloat16()
             s = time_call(lambda: torch.ops.llmserve_native.int4_mm(x, packed, sz, GROUP),
                           repeats)
@@ -61,13 +66,7 @@ def int4_cases(repeats: int) -> list[dict]:
 def int4_step_cases(repeats: int) -> list[dict]:
     """A decode step's 120 products with 30 layers' distinct weights (69 MB): each call
     streams its weights from memory, as in the model, instead of finding them cached."""
-    from llmserve.model.quant.native_int4 import pack_int4
-    weights = []
-    for _ in range(30):
-        for k, n in LINEARS.values():
-            q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            weights.append((k, *pack_int4(q, torch.rand(n, k // GROUP) * 0.01,
-                                          torch.randn(n, k // GROUP) * 0.01, GROUP)))
+    weights = [(k, *random_int4(k, n)) for _ in range(30) for k, n in LINEARS.values()]
     out = []
     for rows in (1, 8, 24):
         xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}

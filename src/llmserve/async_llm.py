@@ -290,7 +290,7 @@ class AsyncLLM:
         elif kind == "abort":
             out = self.engine.abort_request(cmd[1])
             if out is not None:
-                self._deliver(out)
+                self._deliver_step([out])
             if len(cmd) > 2:  # the caller waits for the confirmation
                 self._resolve(cmd[2], out)
         elif kind == "call":
@@ -314,11 +314,6 @@ class AsyncLLM:
             future.get_loop().call_soon_threadsafe(settle)
         except RuntimeError:  # the event loop is closed
             pass
-
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.put(out)
 
     def _deliver_step(self, outs: list[RequestOutput]) -> None:
         """One step's deltas with one wake-up per event loop, not one per stream: every

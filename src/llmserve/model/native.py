@@ -170,6 +170,11 @@ def kernel_checked(name: str, self_test: Callable[[], bool]) -> bool:
     return _self_tests[name]
 
 
+def cut_padding(y: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` columns of a product whose N the packing padded to a strip multiple."""
+    return y if y.shape[1] == n else y[:, :n]
+
+
 def pair_strips(w: torch.Tensor) -> torch.Tensor:
     """``w (N, K)`` in the native kernels' pair layout, ``(ceil(N/16), K*16)``: strips of 16
     output rows, each as K/2 vectors of (k, k+1) pairs (element ``2c + t`` of vector ``j`` is

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -56,7 +56,7 @@ class GroupMetadata:
     max_query: int = 1
     query_pos: Optional[torch.Tensor] = None     # (B, 1, Q, 1) position of each query
     key_pos: Optional[torch.Tensor] = None       # (W * block_size,) position of each key
-    _windowed: dict = field(default_factory=dict)
+    _step_cache: dict = field(default_factory=dict)   # see cached()
 
     @property
     def is_decode(self) -> bool:
@@ -66,11 +66,14 @@ class GroupMetadata:
         """The group's mask, restricted to keys in ``(pos - window, pos]`` when ``window``."""
         if window is None:
             return self.mask
-        mask = self._windowed.get(window)
-        if mask is None:
-            mask = self.mask & (self.key_pos > self.query_pos - window)
-            self._windowed[window] = mask
-        return mask
+        return self.cached(window, lambda: self.mask & (self.key_pos > self.query_pos - window))
+
+    def cached(self, key: object, build: Callable[[], Any]) -> Any:
+        """``build()`` once per step for this group and ``key`` (every layer reuses it)."""
+        value = self._step_cache.get(key)
+        if value is None:
+            value = self._step_cache[key] = build()
+        return value
 
 
 @dataclass

@@ -88,17 +88,15 @@ def _native_prefill_rows(g: GroupMetadata, block_size: int,
     Built once per step and window; None for decode groups and oversized tables."""
     if g.is_decode or g.num_tokens * g.mask.shape[-1] > NATIVE_PREFILL_MAX_ENTRIES:
         return None
-    key = ("native", window)
-    rows = g._windowed.get(key)
-    if rows is None:
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
         b, w = g.block_ids.shape
         offsets = torch.arange(block_size, device=g.block_ids.device)
         slots = (g.block_ids.unsqueeze(-1) * block_size + offsets).view(b, w * block_size)
         valid = g.mask_for(window).reshape(b * g.max_query, -1).index_select(0, g.output_index)
-        rows = (slots.index_select(0, torch.div(g.output_index, g.max_query,
+        return (slots.index_select(0, torch.div(g.output_index, g.max_query,
                                                 rounding_mode="floor")), valid)
-        g._windowed[key] = rows
-    return rows
+    return g.cached(("native", window), build)
 
 
 class PagedBackend(ReferenceBackend):

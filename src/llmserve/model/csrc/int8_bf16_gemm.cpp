@@ -27,8 +27,7 @@
 
 namespace {
 
-using llmserve_native::kPairMaxRows;
-using llmserve_native::kPairRows;
+using llmserve_native::pair_strip_all_rows;
 using llmserve_native::load_bf16x16;
 
 constexpr int kStrip = 16;
@@ -72,11 +71,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     for (int64_t s = begin; s < end; ++s) {
       convert_strip(wp + s * k * kStrip, pairs, buf.data());
       const __m512 sc = load_bf16x16(sp + s * kStrip);
-      for (int64_t r0 = 0; r0 < rows; r0 += kPairMaxRows) {
-        const int64_t tile = rows - r0 < kPairMaxRows ? rows - r0 : kPairMaxRows;
-        kPairRows[tile](buf.data(), pairs, xp + r0 * k, k, &sc, yp, r0 * n + s * kStrip, n,
-                        float_out);
-      }
+      pair_strip_all_rows(buf.data(), pairs, xp, rows, k, &sc, yp, s * kStrip, n, float_out);
     }
   });
   return y;

@@ -64,4 +64,15 @@ constexpr PairRowsFn kPairRows[kPairMaxRows + 1] = {
     pair_strip_rows<5, 1>, pair_strip_rows<6, 1>, pair_strip_rows<7, 1>, pair_strip_rows<8, 1>,
 };
 
+// All ``rows`` rows of x (leading dimension ldx) against one strip, in tiles of up to
+// kPairMaxRows rows; the strip's outputs start at column ``col`` of y (leading dim ldy).
+inline void pair_strip_all_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t rows,
+                                int64_t ldx, const __m512* scale, void* y, int64_t col,
+                                int64_t ldy, bool float_out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kPairMaxRows) {
+    const int64_t tile = rows - r0 < kPairMaxRows ? rows - r0 : kPairMaxRows;
+    kPairRows[tile](w, pairs, x + r0 * ldx, ldx, scale, y, r0 * ldy + col, ldy, float_out);
+  }
+}
+
 }  // namespace llmserve_native

@@ -114,24 +114,22 @@ class DenseLinearMethod(LinearMethod):
             layer.weight = None  # the packed copy replaces it (no duplicate weights in memory)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        native = getattr(layer, "native_weight", None)
-        if native is not None:
-            y = bf16_mm(x, native, layer.output_size).to(x.dtype)
-            return y if layer.bias is None else y + layer.bias
-        if layer.packed_id is not None:
+        if layer.native_weight is not None:
+            y = bf16_mm(x, layer.native_weight, layer.output_size).to(x.dtype)
+        elif layer.packed_id is not None:
             y = cpu_kernels.packed_linear(x, layer.packed_id, layer.output_size)
-            return y if layer.bias is None else y + layer.bias
-        return F.linear(x, layer.weight, layer.bias)
+        else:
+            return F.linear(x, layer.weight, layer.bias)
+        return y if layer.bias is None else y + layer.bias
 
     def weight_bytes(self, layer: "Linear") -> int:
-        native = getattr(layer, "native_weight", None)
-        if native is not None:
-            extra = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
-            return native.numel() * native.element_size() + extra
-        if layer.packed_id is not None:
-            extra = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
-            return cpu_kernels.packed_bytes(layer.packed_id) + extra
-        return super().weight_bytes(layer)
+        if layer.native_weight is not None:
+            packed = layer.native_weight.numel() * layer.native_weight.element_size()
+        elif layer.packed_id is not None:
+            packed = cpu_kernels.packed_bytes(layer.packed_id)
+        else:
+            return super().weight_bytes(layer)
+        return packed + (0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size())
 
 
 class Linear(nn.Module):

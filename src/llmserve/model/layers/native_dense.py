@@ -16,10 +16,9 @@ N is padded to 16 with zero rows (the output is cut back); K must be even.
 """
 from __future__ import annotations
 
-
 import torch
 
-from llmserve.model.native import kernel_checked, pair_strips
+from llmserve.model.native import cut_padding, kernel_checked, pair_strips
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -35,9 +34,7 @@ def bf16_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if x2.dtype != torch.bfloat16:
         x2 = x2.to(torch.bfloat16)
     y = torch.ops.llmserve_native.bf16_mm(x2.contiguous(), packed, float_out)
-    if y.shape[1] != out_features:
-        y = y[:, :out_features]
-    return y.view(*x.shape[:-1], out_features)
+    return cut_padding(y, out_features).view(*x.shape[:-1], out_features)
 
 
 def _self_test() -> bool:

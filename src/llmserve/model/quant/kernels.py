@@ -317,9 +317,7 @@ class Int8Weight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
         if self.native:
-            y = native_int8_mm(x2, self.qweight, self.scale)
-            if y.shape[1] != self.out_features:
-                y = y[:, :self.out_features]
+            y = native_int8_mm(x2, self.qweight, self.scale, out_features=self.out_features)
         elif x2.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph: inductor fuses this into one reduction over the
             # int8 bytes, 1.4-1.5x faster than the pack kernel at the default model's LM
@@ -334,8 +332,9 @@ class Int8Weight(nn.Module):
         near-tied logits are not rounded to bf16's 1/8 step at magnitude ~20 first."""
         if not self.native:
             return self(x).float()
-        y = native_int8_mm(_as_kernel_input(x), self.qweight, self.scale, True)
-        return y[:, :self.out_features].view(*x.shape[:-1], self.out_features)
+        y = native_int8_mm(_as_kernel_input(x), self.qweight, self.scale, True,
+                           self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows ``ids`` (an embedding lookup in the same table)."""

@@ -93,7 +93,8 @@ class QuantizedLinearMethod(LinearMethod):
         if layer.has_bias:
             layer.bias = nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
                                       requires_grad=False)
-        layer.packed_id = None
+        layer.packed_id = None     # a layer kept dense packs through DenseLinearMethod
+        layer.native_weight = None
         layer.qweight = None
         layer.qformat = None
         layer.dtype = dtype

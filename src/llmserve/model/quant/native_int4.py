@@ -21,7 +21,6 @@ Zero-extending a chunk's 32 bytes to words and looking the nibbles up gives two 
 """
 from __future__ import annotations
 
-
 import torch
 
 from llmserve.model.native import kernel_checked

@@ -16,10 +16,9 @@ the same bytes as the row-major table, reordered; embedding lookups read rows ba
 """
 from __future__ import annotations
 
-
 import torch
 
-from llmserve.model.native import kernel_checked, pair_strips
+from llmserve.model.native import cut_padding, kernel_checked, pair_strips
 
 STRIP = 16
 
@@ -39,9 +38,11 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-            float_out: bool = False) -> torch.Tensor:
-    """``x (M, K) bf16 @ (q * scale)^T`` -> (M, N padded to 16), bf16 or float32."""
-    return torch.ops.llmserve_native.int8_mm(x, packed, scale, float_out)
+            float_out: bool = False, out_features: "int | None" = None) -> torch.Tensor:
+    """``x (M, K) bf16 @ (q * scale)^T`` -> ``(M, out_features)`` (default: N padded to 16),
+    bf16 or float32."""
+    y = torch.ops.llmserve_native.int8_mm(x, packed, scale, float_out)
+    return y if out_features is None else cut_padding(y, out_features)
 
 
 def _self_test() -> bool:
