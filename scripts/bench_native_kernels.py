@@ -38,46 +38,57 @@ def time_call(fn: Callable[[], object], repeats: int) -> float:
     return times[len(times) // 4]
 
 
-def random_int4(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random ``(n, k)`` int4 weight in the native layout: ``(packed, scales_zeros)``."""
-    from llmserve.model.quant.native_int4 import pack_int4
+def int4_ops() -> list[tuple[str, Callable, Callable]]:
+    """``(op, pack(q, scale, zero) -> weight, product(x, *weight))`` of each int4 kernel
+    this machine runs: bf16 activations, and int8 ones where the CPU has AVX512-VNNI."""
+    from llmserve.model.quant import native_int4 as n4
+    ops = [("int4_mm", lambda q, s, z: n4.pack_int4(q, s, z, GROUP),
+            lambda x, p, sz: torch.ops.llmserve_native.int4_mm(x, p, sz, GROUP))]
+    if n4.native_int4_a8_available():
+        ops.append(("int4_a8_mm", lambda q, s, z: n4.pack_int4_a8(q, s, z, GROUP),
+                    lambda x, p, sm: torch.ops.llmserve_native.int4_a8_mm(x, p, sm, GROUP)))
+    return ops
+
+
+def random_int4(k: int, n: int, pack: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random ``(n, k)`` int4 weight packed by ``pack`` (one of :func:`int4_ops`)."""
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    return pack_int4(q, torch.rand(n, k // GROUP) * 0.01, torch.randn(n, k // GROUP) * 0.01,
-                     GROUP)
+    return pack(q, torch.rand(n, k // GROUP) * 0.01 + 0.005, torch.randn(n, k // GROUP) * 0.01)
 
 
 def int4_cases(repeats: int) -> list[dict]:
     rows_out = []
-    for rows in (1, 8, 24, 128, 1024):
-        total = 0.0
-        for name, (k, n) in LINEARS.items():
-            packed, sz = random_int4(k, n)
-            x = torch.randn(rows, k).bfloat16()
-            s = time_call(lambda: torch.ops.llmserve_native.int4_mm(x, packed, sz, GROUP),
-                          repeats)
-            total += s
-            rows_out.append({"op": "int4_mm", "case": f"{name} {k}x{n}", "rows": rows,
-                             "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9})
-        rows_out.append({"op": "int4_mm", "case": "one layer (4 products)", "rows": rows,
-                         "us": total * 1e6})
+    for op, pack, product in int4_ops():
+        for rows in (1, 8, 24, 128, 1024, 2048):
+            total = 0.0
+            for name, (k, n) in LINEARS.items():
+                weight = random_int4(k, n, pack)
+                x = torch.randn(rows, k).bfloat16()
+                s = time_call(lambda: product(x, *weight), repeats)
+                total += s
+                rows_out.append({"op": op, "case": f"{name} {k}x{n}", "rows": rows,
+                                 "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9})
+            rows_out.append({"op": op, "case": "one layer (4 products)", "rows": rows,
+                             "us": total * 1e6})
     return rows_out
 
 
 def int4_step_cases(repeats: int) -> list[dict]:
     """A decode step's 120 products with 30 layers' distinct weights (69 MB): each call
     streams its weights from memory, as in the model, instead of finding them cached."""
-    weights = [(k, *random_int4(k, n)) for _ in range(30) for k, n in LINEARS.values()]
     out = []
-    for rows in (1, 8, 24):
-        xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
+    for op, pack, product in int4_ops():
+        weights = [(k, random_int4(k, n, pack)) for _ in range(30) for k, n in LINEARS.values()]
+        for rows in (1, 8, 24):
+            xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
 
-        def step() -> None:
-            for k, packed, sz in weights:
-                torch.ops.llmserve_native.int4_mm(xs[k], packed, sz, GROUP)
-        s = time_call(step, max(3, repeats // 4))
-        out.append({"op": "int4_mm", "case": "a step's 120 products, streamed", "rows": rows,
-                    "us": s * 1e6, "gflops": 2 * rows * 30 * sum(k * n for k, n in
-                                                               LINEARS.values()) / s / 1e9})
+            def step() -> None:
+                for k, weight in weights:
+                    product(xs[k], *weight)
+            s = time_call(step, max(3, repeats // 4))
+            flops = 2 * rows * 30 * sum(k * n for k, n in LINEARS.values())
+            out.append({"op": op, "case": "a step's 120 products, streamed", "rows": rows,
+                        "us": s * 1e6, "gflops": flops / s / 1e9})
     return out
 
 

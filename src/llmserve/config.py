@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+INT4_ACTIVATIONS = ("auto", "int8", "bf16")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,11 +20,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"           # auto (= dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
     quantization: str = "auto"             # auto (GGUF stays packed with bf16 on CPU) | none | int8 | int4
     quantization_group_size: int = 32      # int4 group size along the input dim: 32 | 64 | 128 | 256
+    int4_activations: str = "auto"         # auto (int8 where the CPU has AVX512-VNNI) | int8 | bf16
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     block_size: int = 16                   # tokens per KV block
     kv_cache_gib: Optional[float] = None   # KV pool size; None: max_num_seqs x max_model_len tokens
     kv_cache_fraction: float = 0.5         # cap: this share of free memory when kv_cache_gib is None
     num_kv_blocks: Optional[int] = None    # overrides the memory budget (tests use tiny pools)
+    kv_cache_commit_tokens: int = 8192     # CPU: KV tokens written at start; cached blocks are recycled before the pool commits more
     max_num_seqs: int = 64                 # sequences per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decodes)
     max_prefill_tokens_per_step: Optional[int] = None  # cap on prefill tokens per step
@@ -63,6 +67,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_commit_tokens < 0:
+            raise ValueError(f"kv_cache_commit_tokens must be >= 0, got "
+                             f"{self.kv_cache_commit_tokens}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -79,6 +86,9 @@ class EngineConfig:
         if self.quantization_group_size not in (32, 64, 128, 256):
             raise ValueError(f"quantization_group_size must be one of 32, 64, 128, 256; "
                              f"got {self.quantization_group_size}")
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
+                             f"got {self.int4_activations!r}")
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise ValueError(f"attention_backend must be one of auto, paged, reference; "
                              f"got {self.attention_backend!r}")

@@ -92,7 +92,8 @@ class LLMEngine:
         self.weights_fingerprint = ckpt.weights_fingerprint
         self.fingerprint = self._fingerprint(ckpt.config, self.weights_fingerprint)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, self.fingerprint)
+                                 config.enable_prefix_caching, self.fingerprint,
+                                 committed_blocks=self.runner.committed_blocks)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

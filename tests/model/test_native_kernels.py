@@ -25,7 +25,7 @@ from llmserve.model import native
 from llmserve.model.attention.native_decode import paged_decode_native
 from llmserve.model.attention.paged import paged_decode_inplace
 from llmserve.model.quant.kernels import Int4Weight, quantize_int4
-from llmserve.model.quant.native_int4 import int4_mm, pack_int4
+from llmserve.model.quant.native_int4 import int4_mm, native_int4_a8_available, pack_int4
 
 from .tiny_checkpoints import make_tiny_checkpoint
 
@@ -311,7 +311,8 @@ def test_bench_native_kernels_script_prints_and_writes_figures(tmp_path):
     proc = _run_script("bench_native_kernels.py", "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["op"] for r in rows} == {"int4_mm", "int8_mm", "paged_decode"}
+    a8 = {"int4_a8_mm"} if native_int4_a8_available() else set()
+    assert {r["op"] for r in rows} == {"int4_mm", "int8_mm", "paged_decode"} | a8
     assert all(r["us"] > 0 for r in rows)
     assert "paged_decode  prefill rows" in proc.stdout
 

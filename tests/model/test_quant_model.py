@@ -16,6 +16,7 @@ from llmserve.model.layers.linear import DenseLinearMethod, Linear
 from llmserve.model.loader import load_model_config, open_checkpoint
 from llmserve.model.quant import select_linear_method
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
+from llmserve.model.quant.native_int4 import native_int4_a8_available
 
 from .tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
@@ -50,17 +51,22 @@ def linears(llm: LLM) -> dict[str, Linear]:
     return {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
 
 
-def test_packed_gguf_weights_equal_dequantized(tiny_q4):
-    packed = engine(tiny_q4, quantization="auto")
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_packed_gguf_weights_equal_dequantized(tiny_q4, activations):
+    if activations == "int8" and not native_int4_a8_available():
+        pytest.skip("the int4 x int8 kernel needs AVX512-VNNI")
+    packed = engine(tiny_q4, quantization="auto", int4_activations=activations)
     dense = engine(tiny_q4, quantization="none", dtype="float32")
-    assert packed.engine.runner.quantization == "linear:int4-g32x8;embedding:int8"
+    fmt = "int4-g32-a8" if activations == "int8" else "int4-g32"
+    assert packed.engine.runner.quantization == f"linear:{fmt}x8;embedding:int8"
     assert dense.engine.runner.quantization == "linear:densex8;embedding:dense"
     dense_layers = linears(dense)
     for name, layer in linears(packed).items():
         want = dense_layers[name].weight.float()
         got = effective_weights(layer)
         assert got.shape == want.shape
-        # exact int4 up to bf16 scales and a bf16 output: within 1% of the layer's range
+        # exact int4 up to bf16 (fp16) scales and a bf16 output: within 1% of the layer's
+        # range (an identity row quantizes to int8 exactly)
         assert (got - want).abs().max() <= 0.01 * want.abs().max(), name
     emb_q = packed.engine.runner.model.embed_tokens
     emb_d = dense.engine.runner.model.embed_tokens
@@ -91,6 +97,8 @@ def test_packed_gguf_logits_follow_dequantized(tiny_q4):
 @pytest.mark.parametrize("quantization,fmt", [("int8", "int8"), ("int4", "int4-g64")])
 def test_hf_checkpoint_quantized_at_load(tiny_hf, quantization, fmt):
     llm = engine(tiny_hf, quantization=quantization, quantization_group_size=64)
+    if fmt.startswith("int4") and native_int4_a8_available():
+        fmt += "-a8"    # --int4-activations auto: int8 where the kernel runs
     assert llm.engine.runner.quantization == f"linear:{fmt}x8;embedding:dense"
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0,
                                                       ignore_eos=True))[0]

@@ -11,6 +11,19 @@ Every block is in exactly one of three states::
 Allocation pops from the head (evicting the hash of a cached block); freeing appends at
 the tail; a prefix hit on a free cached block unlinks it from the middle. All O(1).
 
+Committed and reserve blocks. The runner's pool commits memory as it is first written
+(on the CPU; a first write costs a page fault, ~0.1 ms per block on some VMs). Blocks
+``[0, committed)`` start in the free queue (the runner writes them at start); the others
+are the reserve, ``[next_reserve, num_blocks)``, never handed out yet::
+
+    ids:  0 ........ committed ........ next_reserve ........ num_blocks
+          |  in the free queue or in use  |   reserve: free, never used  |
+
+Allocation takes the free queue first, cached blocks included, and only then the reserve:
+cached blocks are recycled before the pool commits more memory, so resident KV memory
+follows the peak of blocks in use (at least ``committed``), not the traffic's history.
+``committed = num_blocks`` (the default) is a plain LRU pool.
+
 Pins (prompt bundles) are an extra owner: ``pin`` takes one reference per block and
 records it in ``pin_refs``, so a pinned block is never in the free queue and never
 evicted; ``unpin`` gives the references back. A cached block remembers the hash it was
@@ -92,35 +105,49 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns all KVBlock objects; hands them out and takes them back."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 committed_blocks: Optional[int] = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        committed = num_blocks if committed_blocks is None else \
+            max(0, min(num_blocks, committed_blocks))
+        self.free_queue = FreeBlockQueue(self.blocks[:committed])
+        self.next_reserve = committed   # blocks from here on were never handed out
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         self.pin_refs: dict[int, int] = {}   # block id -> references held by pins
 
     @property
+    def num_reserve_blocks(self) -> int:
+        """Free blocks never handed out (their memory not committed yet)."""
+        return self.num_blocks - self.next_reserve
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.num_reserve_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free
+        return self.num_blocks - self.num_free_blocks
 
     def lookup(self, block_hash: BlockHash) -> Optional[KVBlock]:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the LRU end of the free queue, evicting their hashes."""
-        if n > self.free_queue.num_free:
-            raise RuntimeError(f"asked for {n} KV blocks, only {self.free_queue.num_free} free")
+        """Take ``n`` blocks from the LRU end of the free queue, evicting their hashes, then
+        from the reserve."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks, only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            if self.free_queue.num_free == 0:
+                block = self.blocks[self.next_reserve]
+                self.next_reserve += 1
+            else:
+                block = self.free_queue.popleft()
             if block.block_hash is not None:
                 self._drop_hash(block)
                 self.num_evictions += 1

@@ -41,11 +41,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         fingerprint: str = "",
+        committed_blocks: Optional[int] = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.fingerprint = fingerprint
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+                              committed_blocks=committed_blocks)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_block_ids: dict[str, list[int]] = {}   # the same tables as ids, kept in step
         self._req_num_registered: dict[str, int] = {}
@@ -242,17 +244,23 @@ class KVCacheManager:
             raise KVLedgerError("free-queue length counter disagrees with its links")
         if len(set(free_ids)) != len(free_ids):
             raise KVLedgerError("a block is in the free queue twice")
+        reserve = range(self.pool.next_reserve, self.pool.num_blocks)
         free_set = set(free_ids)
+        if any(i in reserve for i in free_set) or any(i in reserve for i in owners):
+            raise KVLedgerError("a reserve block is in the free queue or owned")
         for block in self.pool.blocks:
             refs = owners.get(block.block_id, 0)
             if block.ref_cnt != refs:
                 raise KVLedgerError(f"{block}: ref_cnt {block.ref_cnt} but {refs} owner(s)")
-            if (block.ref_cnt == 0) != (block.block_id in free_set):
+            free = block.block_id in free_set or block.block_id in reserve
+            if (block.ref_cnt == 0) != free:
                 raise KVLedgerError(f"{block}: free iff ref_cnt == 0 violated")
-        if len(free_set) + len(owners) != self.pool.num_blocks:
+            if block.block_id in reserve and block.block_hash is not None:
+                raise KVLedgerError(f"{block}: a reserve block carries a hash")
+        if len(free_set) + len(reserve) + len(owners) != self.pool.num_blocks:
             raise KVLedgerError(
-                f"lost blocks: {len(free_set)} free + {len(owners)} owned != {self.pool.num_blocks}"
-            )
+                f"lost blocks: {len(free_set)} free + {len(reserve)} reserve + {len(owners)} "
+                f"owned != {self.pool.num_blocks}")
         for h, block in self.pool.cached.items():
             if block.block_hash != h:
                 raise KVLedgerError(f"cache map entry disagrees with {block}")

@@ -14,6 +14,7 @@ only for the tokens actually held.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -62,10 +63,15 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
 
 class KVCachePool:
-    """Per-layer K/V tensors for ``num_blocks`` usable blocks plus the scratch block."""
+    """Per-layer K/V tensors for ``num_blocks`` usable blocks plus the scratch block.
+
+    On the CPU the tensors are committed lazily (pages appear as they are first written);
+    ``commit_blocks`` blocks are written now, so that the first requests' KV writes take no
+    page faults (the engine's BlockPool hands those blocks out before any other).
+    """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, commit_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -74,5 +80,13 @@ class KVCachePool:
         shape = (slots, model.num_key_value_heads, kv_row_width(model.head_dim, dtype))
         self.caches = [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
                        for _ in range(model.num_hidden_layers)]
+        if device.type == "cpu" and commit_blocks > 0:
+            t0 = time.perf_counter()
+            rows = min(commit_blocks, num_blocks) * block_size
+            for k, v in self.caches:
+                k[:rows].zero_()
+                v[:rows].zero_()
+            logger.info("KV pool: %d blocks committed at start in %.2f s", rows // block_size,
+                        time.perf_counter() - t0)
         self.bytes_per_token = kv_bytes_per_block(model, 1, dtype)
         self.pool_bytes = num_blocks * kv_bytes_per_block(model, block_size, dtype)

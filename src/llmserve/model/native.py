@@ -40,7 +40,7 @@ SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 _FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512bf16", "-mfma", "-w"]
+          "-mavx512bf16", "-mavx512vnni", "-mfma", "-w"]
 _state: "dict[str, bool]" = {}
 _self_tests: "dict[str, bool]" = {}
 
@@ -140,6 +140,7 @@ def _load() -> bool:
             return False
         if not _state.get("fakes"):
             torch.library.register_fake("llmserve_native::int4_mm")(_fake_int4_mm)
+            torch.library.register_fake("llmserve_native::int4_a8_mm")(_fake_int4_mm)
             torch.library.register_fake("llmserve_native::int8_mm")(_fake_int8_mm)
             torch.library.register_fake("llmserve_native::bf16_mm")(_fake_bf16_mm)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)

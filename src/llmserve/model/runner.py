@@ -65,7 +65,7 @@ class ModelRunner:
                                     mc.head_dim, cfg.block_size)
         t0 = time.time()
         method = select_linear_method(cfg.quantization, cfg.quantization_group_size, mc,
-                                      self.dtype, self.device)
+                                      self.dtype, self.device, cfg.int4_activations)
         self.model = build_model(mc, self.backend, method, self.dtype, self.device,
                                  max_positions=max_model_len + 1)
         if self.parallel:
@@ -83,7 +83,11 @@ class ModelRunner:
         self.num_blocks = plan_num_blocks(cfg, mc, self.kv_dtype, self.device, max_model_len)
         if self.parallel:   # block tables index every rank's pool: one size for all
             self.num_blocks = self.parallel.agree_min(self.num_blocks)
-        self.kv = KVCachePool(mc, self.num_blocks, cfg.block_size, self.kv_dtype, self.device)
+        # CPU pools commit memory as written: the first blocks now, the rest on demand
+        self.committed_blocks = self.num_blocks if self.device.type != "cpu" else \
+            min(self.num_blocks, -(-cfg.kv_cache_commit_tokens // cfg.block_size))
+        self.kv = KVCachePool(mc, self.num_blocks, cfg.block_size, self.kv_dtype, self.device,
+                              commit_blocks=self.committed_blocks)
         self.kv_caches = self.kv.caches
         max_blocks = -(-max_model_len // cfg.block_size)
         self.buffers = InputBuffers(max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),

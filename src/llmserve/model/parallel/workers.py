@@ -171,7 +171,8 @@ def init_tensor_parallel(config: EngineConfig, source: Any, max_model_len: int,
 
     device = resolve_device(config.device)   # refuse what cannot be split before spawning
     method = select_linear_method(config.quantization, config.quantization_group_size,
-                                  source.config, resolve_dtype(config.dtype, device), device)
+                                  source.config, resolve_dtype(config.dtype, device), device,
+                                  config.int4_activations)
     check_shardable(source.config, config.tensor_parallel_size, method)
     if not config.num_threads and resolve_device_type(config) == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))

@@ -11,7 +11,9 @@
           round-to-nearest at load; a GGUF file's 4-bit blocks of 32 are kept exactly
 
 An explicit int8/int4 with a float32 model converts activations to bf16 around each
-quantized product. The kernels are CPU-only; other devices need ``none``.
+quantized product. ``--int4-activations`` (EngineConfig.int4_activations) says what meets the
+int4 codes: ``int8`` rows quantized in blocks of 32 (llama.cpp's Q4 x Q8 arithmetic, on
+AVX512-VNNI), ``bf16`` the activations as they are; ``auto`` is int8 where the kernel runs. The kernels are CPU-only; other devices need ``none``.
 See docs/QUANTIZATION.md for formats, kernels, errors and figures.
 """
 from __future__ import annotations
@@ -22,10 +24,12 @@ from collections import Counter
 import torch
 from torch import nn
 
+from llmserve.config import INT4_ACTIVATIONS
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers.embedding import VocabEmbedding
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
 from llmserve.model.quant.kernels import kernels_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -34,9 +38,29 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 _FLOAT_FILE_TYPES = ("gguf:F32", "gguf:F16", "gguf:BF16")
 
 
+def int4_int8_activations(choice: str, device: torch.device) -> bool:
+    """Whether int4 products quantize their activations to int8 (``--int4-activations``).
+
+    Raises:
+        ValueError: an unknown choice, or ``int8`` where the int4 x int8 kernel cannot run.
+    """
+    if choice not in INT4_ACTIVATIONS:
+        raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
+                         f"got {choice!r}")
+    if choice == "bf16":
+        return False
+    usable = device.type == "cpu" and native_int4_a8_available()
+    if choice == "int8" and not usable:
+        raise ValueError("--int4-activations int8 needs llmserve's int4 x int8 CPU kernel "
+                         "(AVX512-VNNI, a C++ compiler); use auto or bf16 on this machine")
+    return usable
+
+
 def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
-                         dtype: torch.dtype, device: torch.device) -> LinearMethod:
-    """The LinearMethod for ``--quantization`` on this model, dtype and device.
+                         dtype: torch.dtype, device: torch.device,
+                         int4_activations: str = "auto") -> LinearMethod:
+    """The LinearMethod for ``--quantization`` on this model, dtype and device;
+    ``int4_activations`` as :func:`int4_int8_activations`.
 
     Raises:
         ValueError: an unknown choice, or int8/int4 on a device without the kernels.
@@ -50,7 +74,7 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
     if quantization == "auto":
         packed_file = model.source_format == "gguf" and model.quantization not in _FLOAT_FILE_TYPES
         if packed_file and usable and dtype == torch.bfloat16:
-            return GGUFLinearMethod()
+            return GGUFLinearMethod(int4_int8_activations(int4_activations, device))
         if packed_file:
             logger.info("quantization auto: %s weights dequantized to %s (packed kernels need "
                         "bf16 activations on the CPU)", model.quantization,
@@ -61,7 +85,7 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
                          f"device {device} has none (use --quantization none)")
     if quantization == "int8":
         return Int8LinearMethod()
-    return Int4LinearMethod(group_size)
+    return Int4LinearMethod(group_size, int4_int8_activations(int4_activations, device))
 
 
 def describe_quantization(model: nn.Module) -> str:
@@ -84,5 +108,6 @@ def describe_quantization(model: nn.Module) -> str:
     return f"linear:{linear};embedding:{embedding}"
 
 
-__all__ = ["QUANTIZATION_CHOICES", "describe_quantization", "select_linear_method",
+__all__ = ["QUANTIZATION_CHOICES", "describe_quantization", "int4_int8_activations",
+           "select_linear_method",
            "GGUFLinearMethod", "Int4LinearMethod", "Int8LinearMethod"]

@@ -32,7 +32,8 @@ from torch import nn
 
 from llmserve.model.layers.cpu_kernels import cpu_op
 from llmserve.model.quant.native_int4 import int4_mm as native_int4_mm
-from llmserve.model.quant.native_int4 import native_int4_available, pack_int4
+from llmserve.model.quant.native_int4 import (int4_a8_mm, native_int4_a8_available,
+                                              native_int4_available, pack_int4, pack_int4_a8)
 from llmserve.model.quant.native_int8 import int8_mm as native_int8_mm
 from llmserve.model.quant.native_int8 import native_int8_available, pack_int8, packed_rows
 
@@ -186,9 +187,13 @@ class Int4Weight(nn.Module):
 
     ``native`` picks the kernel: llmserve's (:mod:`~llmserve.model.quant.native_int4`) or
     PyTorch's ``_weight_int4pack_mm_for_cpu``; by default the native one where it is available.
+    ``int8_activations``: quantize ``x`` by rows in blocks of 32 and multiply in int8
+    (``int4_a8_mm``, AVX512-VNNI; :attr:`int8_activations` says whether it took effect);
+    otherwise the codes meet bf16 activations.
     """
 
-    def __init__(self, groups: Int4Groups, native: "bool | None" = None) -> None:
+    def __init__(self, groups: Int4Groups, native: "bool | None" = None,
+                 int8_activations: bool = False) -> None:
         super().__init__()
         n, k = groups.q.shape
         self.out_features, self.in_features = n, k
@@ -200,6 +205,19 @@ class Int4Weight(nn.Module):
             scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
         self.padded = bool(pad)
+        self.int8_activations = False
+        if int8_activations:
+            if not native_int4_a8_available():
+                raise ValueError("int8 activations need llmserve's int4 x int8 kernel "
+                                 "(AVX512-VNNI); it is not available on this machine")
+            packed_a8 = pack_int4_a8(q, scale, zero, self.group_size)
+            if packed_a8 is not None:
+                self.register_buffer("qweight", packed_a8[0], persistent=False)
+                self.register_buffer("scales_zeros", packed_a8[1], persistent=False)
+                self.native, self.tiled, self.int8_activations = True, False, True
+                return
+            logger.warning("int4 weight %dx%d: scales outside fp16's range; this layer keeps "
+                           "bf16 activations", n, k)
         self.native = native_int4_available() if native is None else native
         if self.native and not native_int4_available():
             raise ValueError("the native int4 kernel is not available on this machine")
@@ -232,7 +250,9 @@ class Int4Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
-        if self.native:
+        if self.int8_activations:
+            y = int4_a8_mm(x2, self.qweight, self.scales_zeros, self.group_size)
+        elif self.native:
             y = native_int4_mm(x2, self.qweight, self.scales_zeros, self.group_size)
         elif self.tiled and x2.shape[0] >= INT4_GEMM_MIN_ROWS:
             y = int4_tiled_mm(x2, self.qweight, self.scales_zeros, self.group_size)
@@ -248,7 +268,8 @@ class Int4Weight(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
-        return f"int4 g{self.group_size}, {self.out_features}x{self.in_features}"
+        a8 = ", int8 activations" if self.int8_activations else ""
+        return f"int4 g{self.group_size}{a8}, {self.out_features}x{self.in_features}"
 
 
 #: From this many rows of ``x`` on, int8 products dequantize the weight tile by tile to bf16

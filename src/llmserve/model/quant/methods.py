@@ -72,8 +72,10 @@ class QuantizedLinearMethod(LinearMethod):
     #: The loader should hand this method GGUF matrices as raw blocks.
     wants_raw_gguf = True
 
-    def __init__(self) -> None:
+    def __init__(self, int8_activations: bool = False) -> None:
         self.dense = DenseLinearMethod()
+        #: int4 layers quantize their activations to int8 (``--int4-activations``)
+        self.int8_activations = int8_activations
 
     # ---- the format decision ----------------------------------------------------------------
     @abstractmethod
@@ -143,7 +145,7 @@ class QuantizedLinearMethod(LinearMethod):
                         for s in shards)
             groups = Int4Groups.cat([s.values for s in shards]) if exact else \
                 quantize_int4(torch.cat([s.as_float() for s in shards]), g)
-            layer.qweight = Int4Weight(groups)
+            layer.qweight = Int4Weight(groups, int8_activations=self.int8_activations)
         elif fmt == "int8":
             layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])))
         elif fmt == "dense":
@@ -152,7 +154,9 @@ class QuantizedLinearMethod(LinearMethod):
             self.dense.process_weights_after_loading(layer)
         else:
             raise ValueError(f"unknown packed format {fmt!r}")
-        layer.qformat = f"int4-g{g}" if fmt == "int4" else fmt
+        layer.qformat = fmt
+        if fmt == "int4":   # "-a8": int8 activations (another arithmetic, another fingerprint)
+            layer.qformat = f"int4-g{g}-a8" if layer.qweight.int8_activations else f"int4-g{g}"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.qweight is None:
@@ -170,8 +174,8 @@ class QuantizedLinearMethod(LinearMethod):
 class Int4LinearMethod(QuantizedLinearMethod):
     """Every linear in int4 with groups of ``group_size`` (round-to-nearest where not exact)."""
 
-    def __init__(self, group_size: int = 32) -> None:
-        super().__init__()
+    def __init__(self, group_size: int = 32, int8_activations: bool = False) -> None:
+        super().__init__(int8_activations)
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, "
                              f"got {group_size}")

@@ -1,0 +1,204 @@
+// int4 weights x int8 activations for AVX512-VNNI CPUs: llmserve_native::int4_a8_mm.
+//
+// The arithmetic of llama.cpp's Q4_1 x Q8_1 dot products: each activation row is quantized
+// in blocks of 32 (symmetric, s = max|x| / 127, q = round(x / s)), the 4-bit codes (0..15)
+// are dotted with the int8 codes exactly in int32 by vpdpbusd (unsigned x signed bytes,
+// 64 products per instruction, twice vdpbf16ps's 32), and per block
+//
+//     y += (scale * s) * sum(w_code * x_code) + min * (s * sum(x_code))
+//
+// in float32, where w = w_code * scale + min (min = zero - 8 * scale of the bf16 kernel's
+// layout). Rows are quantized independently, so a row's result never depends on its batch.
+//
+// Weight layout (packed once at load by llmserve.model.quant.native_int4.pack_int4_a8):
+//   strips of 16 output channels; per strip, K/8 octets of 64 bytes, one octet per 8 k's:
+//
+//     octet o, byte 4c + j (c: channel 16s + c, j < 4)
+//         low nibble  = q[16s + c][8o + j]       -> lane c of vector "lo": k = 8o .. 8o+3
+//         high nibble = q[16s + c][8o + 4 + j]   -> lane c of vector "hi": k = 8o+4 .. 8o+7
+//
+//   so masking / shifting the 64 bytes gives two vectors of 16 lanes x 4 codes: vpdpbusd's
+//   unsigned operand against 4 activation codes broadcast to every lane.
+//   scales_mins: (strips, K/group, 2, 16) fp16 (a Q4_1 file's d and m exactly).
+// Row tiles of up to 8 rows share each unpacked vector; strips split over threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kStrip = 16;         // output channels per strip (one fp32 zmm)
+constexpr int kOctetBytes = 64;    // 8 k's x 16 channels x 4 bits
+constexpr int kBlock = 32;         // activation quantization block (k's)
+constexpr int kMaxRows = 8;        // activation rows per tile
+constexpr int64_t kPrefetchBytes = 1024;
+
+// x (rows, k) bf16 -> codes (rows, k) int8, and per (row, block): s and s * sum(codes).
+void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* codes, float* scales,
+                   float* scaled_sums) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t* p = x + r * k + b * kBlock;
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m512i w = _mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h)));
+          v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        }
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        int32_t sum = 0;
+        for (int h = 0; h < 2; ++h) {
+          // round to nearest even (the MXCSR default), as torch.round
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], vinv));
+          sum += _mm512_reduce_add_epi32(q);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * k + b * kBlock + 16 * h),
+                           _mm512_cvtsepi32_epi8(q));
+        }
+        const float s = amax / 127.0f;
+        scales[r * blocks + b] = s;
+        scaled_sums[r * blocks + b] = s * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+inline __m512 load_fp16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// ROWS activation rows x one strip. With few rows the low and high nibbles accumulate
+// separately (two chains per row) to hide vpdpbusd's latency.
+template <int ROWS>
+void strip_rows(const uint8_t* w, const uint16_t* sm, const int8_t* xq, int64_t ldx,
+                const float* xs, const float* xt, int64_t blocks, int64_t blocks_per_group,
+                uint16_t* y, int64_t ldy) {
+  constexpr bool kSplit = ROWS <= 3;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 out[ROWS];
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
+  __m512 scale = _mm512_setzero_ps(), min = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b % blocks_per_group == 0) {
+      const int64_t g = b / blocks_per_group;
+      scale = load_fp16x16(sm + g * 2 * kStrip);
+      min = load_fp16x16(sm + g * 2 * kStrip + kStrip);
+    }
+    const uint8_t* wb = w + b * (kBlock / 8) * kOctetBytes;
+    if constexpr (ROWS >= 2) {
+      for (int off = 0; off < (kBlock / 8) * kOctetBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
+    }
+    __m512i acc[ROWS], acc2[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int o = 0; o < kBlock / 8; ++o) {
+      const __m512i v = _mm512_loadu_si512(wb + o * kOctetBytes);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const int64_t k = b * kBlock + 8 * o;
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = xq + r * ldx + k;
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
+        if constexpr (kSplit)
+          acc2[r] = _mm512_dpbusd_epi32(acc2[r], hi, broadcast4(xr + 4));
+        else
+          acc[r] = _mm512_dpbusd_epi32(acc[r], hi, broadcast4(xr + 4));
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      __m512i dot = acc[r];
+      if constexpr (kSplit) dot = _mm512_add_epi32(dot, acc2[r]);
+      const __m512 f = _mm512_cvtepi32_ps(dot);
+      out[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * blocks + b])),
+                               out[r]);
+      out[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xt[r * blocks + b]), out[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(out[r]));
+}
+
+using StripFn = void (*)(const uint8_t*, const uint16_t*, const int8_t*, int64_t, const float*,
+                         const float*, int64_t, int64_t, uint16_t*, int64_t);
+
+constexpr StripFn kStripFns[kMaxRows + 1] = {
+    nullptr,         strip_rows<1>, strip_rows<2>, strip_rows<3>, strip_rows<4>,
+    strip_rows<5>,   strip_rows<6>, strip_rows<7>, strip_rows<8>,
+};
+
+at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed,
+                      const at::Tensor& scales_mins, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_a8_mm: x must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "int4_a8_mm: packed must be a contiguous 2-D uint8 tensor");
+  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
+              "int4_a8_mm: K=", k, " is not a multiple of the group size ", group_size,
+              " (a multiple of 32)");
+  TORCH_CHECK(packed.size(1) == k / 8 * kOctetBytes, "int4_a8_mm: packed weight is for K=",
+              packed.size(1) / kOctetBytes * 8, ", x has K=", k);
+  const int64_t groups = k / group_size, blocks = k / kBlock;
+  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf && scales_mins.is_contiguous() &&
+                  scales_mins.dim() == 4 && scales_mins.size(0) == strips &&
+                  scales_mins.size(1) == groups && scales_mins.size(2) == 2 &&
+                  scales_mins.size(3) == kStrip,
+              "int4_a8_mm: scales_mins must be contiguous fp16 (strips, K/group, 2, 16)");
+  const int64_t n = strips * kStrip;
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  at::Tensor codes_t = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor stats_t = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
+  int8_t* xq = codes_t.data_ptr<int8_t>();
+  float* xs = stats_t.data_ptr<float>();
+  float* xt = xs + rows * blocks;
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq, xs, xt);
+
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* smp = reinterpret_cast<const uint16_t*>(scales_mins.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t strip_bytes = k / 8 * kOctetBytes, blocks_per_group = group_size / kBlock;
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
+        kStripFns[tile](wp + s * strip_bytes, smp + s * groups * 2 * kStrip, xq + r0 * k, k,
+                        xs + r0 * blocks, xt + r0 * blocks, blocks, blocks_per_group,
+                        yp + r0 * n + s * kStrip, n);
+      }
+    }
+  });
+  return y;
+}
+
+bool a8_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
+  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales_mins, int group_size) -> Tensor");
+  m.impl("int4_a8_mm", c10::DispatchKey::CPU, TORCH_FN(int4_a8_mm));
+  m.def("a8_supported() -> bool", &a8_supported);
+}
