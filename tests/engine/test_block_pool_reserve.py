@@ -1,5 +1,6 @@
-"""The KV pool's committed blocks and reserve: cached blocks are recycled before a block that
-was never used is handed out, the reserve counts as free, and the ledger check covers it."""
+"""The KV pool's committed blocks and reserve: cached blocks nobody hit are recycled before a
+block that was never used is handed out, blocks that served a hit only after the reserve, the
+reserve counts as free, and the ledger check covers it."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,35 @@ def test_committed_blocks_first_then_cached_ones_then_the_reserve():
     assert [b.block_id for b in pool.allocate(10)] == [3, 2, 1, 0, 4, 5, 6, 7, 8, 9]
     with pytest.raises(RuntimeError, match="only 0 free"):
         pool.allocate(1)
+
+
+def test_a_block_that_served_a_hit_outlives_the_reserve():
+    pool = BlockPool(8, committed_blocks=3)
+    first = pool.allocate(3)
+    cache(pool, first, 2)
+    pool.free(reversed(first))
+    hit = pool.lookup(BlockHash([2, 0]))
+    pool.touch([hit])                             # a prefix hit: block 0 turns hot
+    assert hit.hot and pool.free_queue.num_free == 2
+    pool.free([hit])
+    assert pool.hot_queue.num_free == 1 and pool.num_free_blocks == 8
+    got = [b.block_id for b in pool.allocate(7)]
+    assert got == [2, 1, 3, 4, 5, 6, 7]           # cold ones, then the whole reserve
+    assert pool.lookup(BlockHash([2, 0])) is hit and hit.hot
+    assert [b.block_id for b in pool.allocate(1)] == [0] and not hit.hot
+    assert pool.lookup(BlockHash([2, 0])) is None and pool.num_evictions == 3
+
+
+def test_uncaching_a_free_hot_block_moves_it_to_the_cold_queue():
+    pool = BlockPool(4, committed_blocks=1)
+    (b,) = pool.allocate(1)
+    cache(pool, [b], 3)
+    pool.touch([b])
+    pool.free([b, b])
+    assert pool.hot_queue.num_free == 1
+    assert pool.uncache([b]) == 1
+    assert not b.hot and pool.hot_queue.num_free == 0 and pool.free_queue.num_free == 1
+    assert [x.block_id for x in pool.allocate(2)] == [0, 1]
 
 
 def test_a_cached_block_is_kept_while_the_pool_commits_everything_by_default():

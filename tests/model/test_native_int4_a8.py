@@ -8,7 +8,7 @@ import torch
 
 from llmserve import LLM
 from llmserve.config import EngineConfig
-from llmserve.model.quant import int4_int8_activations, select_linear_method
+from llmserve.model.quant import int4_int8_activations
 from llmserve.model.quant import native_int4 as n4
 from llmserve.model.quant.kernels import Int4Groups, Int4Weight, quantize_int4
 from llmserve.model.quant.native_int4 import (int4_a8_mm, int4_a8_reference,
@@ -62,6 +62,18 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
 
 
 @needs_a8
+def test_a_nan_activation_gives_nan_outputs_and_tiny_blocks_give_zeros():
+    groups = quantize_int4(torch.randn(32, 64), 32)
+    layer = Int4Weight(groups, int8_activations=True)
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 40] = float("nan")
+    x[2] = 1e-35                                  # max|x| below the kernel's tiny threshold
+    y = layer(x)
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[0]).all())
+    assert bool((y[2] == 0).all())
+
+
+@needs_a8
 def test_int4_a8_mm_rejects_mismatched_operands():
     groups = quantize_int4(torch.randn(32, 64), 32)
     packed, sm = pack_int4_a8(groups.q, groups.scale, groups.zero, 32)
@@ -78,6 +90,7 @@ def test_scales_outside_fp16_keep_bf16_activations(caplog):
     zero = torch.zeros(16, 2)
     assert pack_int4_a8(q, torch.full((16, 2), 1e6), zero, 32) is None     # overflows fp16
     assert pack_int4_a8(q, torch.full((16, 2), 1e-6), zero, 32) is None    # subnormal in fp16
+    assert pack_int4_a8(q, torch.full((16, 2), 1e-9), zero, 32) is None    # 0 in fp16
     assert pack_int4_a8(q, torch.full((16, 2), 1e-3), zero, 32) is not None
     if native_int4_a8_available():
         groups = Int4Groups(q, torch.full((16, 2), 1e-6), zero, 32)
@@ -128,9 +141,7 @@ def test_engines_with_either_activation_differ_in_fingerprint_not_in_greedy_toke
     outs, prints = {}, {}
     for act in ("int8", "bf16"):
         llm = LLM(tiny_q4, num_kv_blocks=32, dtype="bfloat16", int4_activations=act)
-        method = select_linear_method("auto", 32, llm.engine.runner.model_config,
-                                      torch.bfloat16, torch.device("cpu"), act)
-        assert method.int8_activations == (act == "int8")
+        assert ("-a8x" in llm.engine.runner.quantization) == (act == "int8")
         prints[act] = llm.engine.fingerprint
         outs[act] = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0,
                                                         ignore_eos=True))[0].outputs[0]

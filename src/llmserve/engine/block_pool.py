@@ -1,28 +1,30 @@
-"""The pool of KV blocks: reference counts, an LRU free queue and the prefix-cache map (no torch).
+"""The pool of KV blocks: reference counts, LRU free queues and the prefix-cache map (no torch).
 
-Every block is in exactly one of three states::
+Every block is in exactly one of four states::
 
-    in use        ref_cnt > 0, not in the free queue, may carry a hash (shared prefix)
-    free cached   ref_cnt == 0, in the free queue, carries a hash (can still be hit)
-    free empty    ref_cnt == 0, in the free queue, no hash
+    in use        ref_cnt > 0, in no queue, may carry a hash (shared prefix)
+    free cached   ref_cnt == 0, in a free queue, carries a hash (can still be hit)
+    free empty    ref_cnt == 0, in the cold queue, no hash
+    reserve       ref_cnt == 0, in no queue, never handed out (ids >= next_reserve)
 
-    free queue:  head (evicted first) <-> ... <-> tail (freed most recently)
+    cold queue:  head (evicted first) <-> ... <-> tail (freed most recently)
+    hot queue:   the same, for cached blocks that served a prefix hit (``hot``)
 
-Allocation pops from the head (evicting the hash of a cached block); freeing appends at
-the tail; a prefix hit on a free cached block unlinks it from the middle. All O(1).
-
-Committed and reserve blocks. The runner's pool commits memory as it is first written
-(on the CPU; a first write costs a page fault, ~0.1 ms per block on some VMs). Blocks
-``[0, committed)`` start in the free queue (the runner writes them at start); the others
-are the reserve, ``[next_reserve, num_blocks)``, never handed out yet::
+The runner's CPU pool commits memory as it is first written (a first write takes a page
+fault: ~1 ms per 2 MB page of one layer's K or V on these VMs). Blocks
+``[0, committed)`` start in the cold queue (the runner writes them at start); the rest are
+the reserve::
 
     ids:  0 ........ committed ........ next_reserve ........ num_blocks
-          |  in the free queue or in use  |   reserve: free, never used  |
+          |  in a queue or in use          |   reserve: free, never used  |
 
-Allocation takes the free queue first, cached blocks included, and only then the reserve:
-cached blocks are recycled before the pool commits more memory, so resident KV memory
-follows the peak of blocks in use (at least ``committed``), not the traffic's history.
-``committed = num_blocks`` (the default) is a plain LRU pool.
+Allocation takes the cold queue's head (evicting the hash of a block nobody hit), then the
+reserve (committing memory), then the hot queue's head: blocks that were never reused are
+recycled before the pool grows, blocks that were are kept until the reserve is gone. So
+resident KV memory follows the peak in use plus the reused prefixes (at least
+``committed``), not the traffic's history. Freeing appends at a queue's tail; a prefix
+hit unlinks a free cached block from the middle and marks it hot. All O(1).
+``committed = num_blocks`` (the default here) has no reserve.
 
 Pins (prompt bundles) are an extra owner: ``pin`` takes one reference per block and
 records it in ``pin_refs``, so a pinned block is never in the free queue and never
@@ -40,11 +42,13 @@ from llmserve.engine.block_hash import BlockHash
 class KVBlock:
     """Metadata of one KV block; its tensors live in the model runner at index ``block_id``."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "namespace", "parent_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "namespace", "parent_hash", "hot", "prev",
+                 "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.hot = False        # served a prefix hit since it was cached: in the hot queue
         self.block_hash: Optional[BlockHash] = None
         self.namespace: Optional[str] = None  # tenant salt of a cached block
         self.parent_hash: Optional[BlockHash] = None  # the hash its own hash was chained from
@@ -114,7 +118,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         committed = num_blocks if committed_blocks is None else \
             max(0, min(num_blocks, committed_blocks))
-        self.free_queue = FreeBlockQueue(self.blocks[:committed])
+        self.free_queue = FreeBlockQueue(self.blocks[:committed])   # the cold queue
+        self.hot_queue = FreeBlockQueue(())
         self.next_reserve = committed   # blocks from here on were never handed out
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
@@ -127,7 +132,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free + self.num_reserve_blocks
+        return self.free_queue.num_free + self.hot_queue.num_free + self.num_reserve_blocks
+
+    def queued_blocks(self) -> list[KVBlock]:
+        """The free blocks in either queue (cold first), for the ledger check."""
+        return [*self.free_queue, *self.hot_queue]
 
     @property
     def num_used_blocks(self) -> int:
@@ -137,17 +146,20 @@ class BlockPool:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the LRU end of the free queue, evicting their hashes, then
-        from the reserve."""
+        """Take ``n`` blocks: the cold queue's LRU end, the reserve, the hot queue's LRU end
+        (evicting the hashes of cached ones)."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} KV blocks, only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            if self.free_queue.num_free == 0:
+            if self.free_queue.num_free:
+                block = self.free_queue.popleft()
+            elif self.next_reserve < self.num_blocks:
                 block = self.blocks[self.next_reserve]
                 self.next_reserve += 1
             else:
-                block = self.free_queue.popleft()
+                block = self.hot_queue.popleft()
+            block.hot = False
             if block.block_hash is not None:
                 self._drop_hash(block)
                 self.num_evictions += 1
@@ -156,14 +168,16 @@ class BlockPool:
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-hit blocks; a free cached one leaves the free queue."""
+        """Take a reference on prefix-hit blocks (they turn hot); a free one leaves its queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                (self.hot_queue if block.hot else self.free_queue).remove(block)
             block.ref_cnt += 1
+            block.hot = block.block_hash is not None
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference on each block; blocks reaching zero go to the queue tail.
+        """Drop one reference on each block; blocks reaching zero go to a queue's tail (the
+        hot one for cached blocks that served a hit).
 
         Callers pass a sequence's blocks last-first, so its tail blocks (least likely
         to be shared) are evicted before its head blocks.
@@ -173,7 +187,8 @@ class BlockPool:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                block.hot = block.hot and block.block_hash is not None
+                (self.hot_queue if block.hot else self.free_queue).append(block)
 
     def pin(self, blocks: Iterable[KVBlock]) -> None:
         """Take a pin reference on each block (it leaves the free queue; never evicted)."""
@@ -217,6 +232,11 @@ class BlockPool:
         return dropped
 
     def _drop_hash(self, block: KVBlock) -> None:
+        if block.hot:       # nothing left to keep: a free one moves to the cold queue
+            block.hot = False
+            if block.ref_cnt == 0 and self.hot_queue.contains(block):   # free + hot: that queue
+                self.hot_queue.remove(block)
+                self.free_queue.append(block)
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None

@@ -239,9 +239,15 @@ class KVCacheManager:
         if dict(pin_refs) != self.pool.pin_refs:
             raise KVLedgerError(f"pin table {dict(pin_refs)} != pool pin refs {self.pool.pin_refs}")
         owners.update(pin_refs)
-        free_ids = [b.block_id for b in self.pool.free_queue]
-        if len(free_ids) != self.pool.free_queue.num_free:
-            raise KVLedgerError("free-queue length counter disagrees with its links")
+        queued = self.pool.queued_blocks()
+        free_ids = [b.block_id for b in queued]
+        if len(free_ids) != self.pool.free_queue.num_free + self.pool.hot_queue.num_free:
+            raise KVLedgerError("free-queue length counters disagree with their links")
+        hot_ids = {b.block_id for b in self.pool.hot_queue}
+        if any(b.hot != (b.block_id in hot_ids) for b in queued):
+            raise KVLedgerError("a block's hot flag disagrees with its queue")
+        if any(b.hot and b.block_hash is None for b in self.pool.blocks):
+            raise KVLedgerError("a hot block carries no hash")
         if len(set(free_ids)) != len(free_ids):
             raise KVLedgerError("a block is in the free queue twice")
         reserve = range(self.pool.next_reserve, self.pool.num_blocks)

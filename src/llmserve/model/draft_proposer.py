@@ -64,7 +64,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.pool = BlockPool(num_blocks, enable_caching=False)
+        # the blocks the draft runner committed at start first, then its reserve
+        self.pool = BlockPool(num_blocks, enable_caching=False,
+                              committed_blocks=runner.committed_blocks)
         self.seqs: dict[str, _DraftSeq] = {}
         self.shared_generator = torch.Generator().manual_seed(seed ^ _DRAFT_SEED_SALT)
 

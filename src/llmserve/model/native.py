@@ -40,7 +40,7 @@ SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 _FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512bf16", "-mavx512vnni", "-mfma", "-w"]
+          "-mavx512bf16", "-mfma", "-w"]
 _state: "dict[str, bool]" = {}
 _self_tests: "dict[str, bool]" = {}
 

@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -38,6 +39,7 @@ constexpr int kOctetBytes = 64;    // 8 k's x 16 channels x 4 bits
 constexpr int kBlock = 32;         // activation quantization block (k's)
 constexpr int kMaxRows = 8;        // activation rows per tile
 constexpr int64_t kPrefetchBytes = 1024;
+constexpr float kTinyBlock = 1e-30f;  // activation blocks with max|x| <= this are zeros
 
 // x (rows, k) bf16 -> codes (rows, k) int8, and per (row, block): s and s * sum(codes).
 void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* codes, float* scales,
@@ -55,7 +57,11 @@ void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* codes, fl
         }
         const float amax = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        // a NaN makes the block's scale NaN (so the outputs it feeds are NaN, as in the bf16
+        // kernel); blocks below kTinyBlock quantize to zeros (127 / amax would overflow)
+        const bool nan = (_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                          _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q)) != 0;
+        const float inv = amax > kTinyBlock && !nan ? 127.0f / amax : 0.0f;
         const __m512 vinv = _mm512_set1_ps(inv);
         int32_t sum = 0;
         for (int h = 0; h < 2; ++h) {
@@ -65,7 +71,7 @@ void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* codes, fl
           _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * k + b * kBlock + 16 * h),
                            _mm512_cvtsepi32_epi8(q));
         }
-        const float s = amax / 127.0f;
+        const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
         scales[r * blocks + b] = s;
         scaled_sums[r * blocks + b] = s * static_cast<float>(sum);
       }
@@ -85,8 +91,10 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // ROWS activation rows x one strip. With few rows the low and high nibbles accumulate
 // separately (two chains per row) to hide vpdpbusd's latency.
+// vpdpbusd needs AVX512-VNNI: enabled for these functions only (the library's other
+// kernels need AVX512-BF16 alone); a8_supported() gates every call.
 template <int ROWS>
-void strip_rows(const uint8_t* w, const uint16_t* sm, const int8_t* xq, int64_t ldx,
+__attribute__((target("avx512vnni"))) void strip_rows(const uint8_t* w, const uint16_t* sm, const int8_t* xq, int64_t ldx,
                 const float* xs, const float* xt, int64_t blocks, int64_t blocks_per_group,
                 uint16_t* y, int64_t ldy) {
   constexpr bool kSplit = ROWS <= 3;

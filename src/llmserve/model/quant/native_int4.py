@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import kernel_checked
+from llmserve.model.native import kernel_checked, native_available
 
 STRIP = 16
 
@@ -97,8 +97,9 @@ def pack_int4_a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     strips, groups = n // STRIP, k // group_size
     t = q.to(torch.uint8).view(strips, STRIP, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
     packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(strips, k // 8 * 64)
-    sm = torch.stack([scale.float(), zero.float() - 8 * scale.float()]).to(torch.float16)
-    tiny = (sm[0] != 0) & (sm[0].abs() < 2.0 ** -14)     # subnormal fp16 scales lose bits
+    scale32 = scale.float()
+    tiny = (scale32 != 0) & (scale32.abs() < 2.0 ** -14)   # subnormal (or 0) in fp16
+    sm = torch.stack([scale32, zero.float() - 8 * scale32]).to(torch.float16)
     if not bool(torch.isfinite(sm).all()) or bool(tiny.any()):
         return None
     return packed, sm.view(2, strips, STRIP, groups).permute(1, 3, 0, 2).contiguous()
@@ -119,7 +120,7 @@ def int4_a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     xf = x.double().view(m, k // A8_BLOCK, A8_BLOCK)
     amax = xf.abs().amax(-1, keepdim=True)
     # float32 operations, each correctly rounded as the kernel's (float64, then rounded)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float().double()
+    inv = torch.where(amax > 1e-30, 127.0 / amax, torch.zeros_like(amax)).float().double()
     codes = torch.round((xf * inv).float()).double()
     xd = (codes * (amax / 127).float().double()).view(m, k)
     n = q.shape[0]
@@ -130,14 +131,15 @@ def int4_a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 def _self_test_a8() -> bool:
-    if not torch.ops.llmserve_native.a8_supported():
-        return False
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (32, 128), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(32, 4, generator=gen) * 0.1
+    scale = torch.rand(32, 4, generator=gen) * 0.1 + 0.01
     zero = torch.rand(32, 4, generator=gen) - 0.5
     x = torch.randn(9, 128, generator=gen).bfloat16()
-    y = int4_a8_mm(x, *pack_int4_a8(q, scale, zero, 32), 32).double()
+    packed = pack_int4_a8(q, scale, zero, 32)
+    if packed is None:
+        return False
+    y = int4_a8_mm(x, *packed, 32).double()
     ref = int4_a8_reference(x, q, scale, zero, 32)
     return bool(((y - ref).abs() <= 0.01 * ref.abs() + 0.02).all())
 
@@ -145,4 +147,5 @@ def _self_test_a8() -> bool:
 def native_int4_a8_available() -> bool:
     """The native library is loaded, the CPU has AVX512-VNNI and the int4 x int8 product
     checks out (once per process)."""
-    return kernel_checked("int4_a8", _self_test_a8)
+    return (native_available() and bool(torch.ops.llmserve_native.a8_supported())
+            and kernel_checked("int4_a8", _self_test_a8))
