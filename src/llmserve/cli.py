@@ -45,10 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--kv-cache-fraction of free memory; committed only as used on CPU)")
     g.add_argument("--kv-cache-fraction", type=float, default=0.5)
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-commit-tokens", type=int, default=8192,
-                   help="CPU: KV tokens of the pool written (memory committed) at start; the "
-                        "pool recycles cached blocks before committing more, so resident KV "
-                        "memory follows the peak in use (a number >= the pool commits all)")
+    g.add_argument("--kv-cache-commit-tokens", type=int, default=5120,
+                   help="CPU: KV tokens of the pool written (memory committed) at start; "
+                        "cached blocks that served no prefix hit are recycled before the pool "
+                        "commits more, so resident KV memory follows the peak in use (a "
+                        "number >= the pool commits all)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-prefill-tokens-per-step", type=int, default=None)

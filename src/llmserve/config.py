@@ -26,7 +26,7 @@ class EngineConfig:
     kv_cache_gib: Optional[float] = None   # KV pool size; None: max_num_seqs x max_model_len tokens
     kv_cache_fraction: float = 0.5         # cap: this share of free memory when kv_cache_gib is None
     num_kv_blocks: Optional[int] = None    # overrides the memory budget (tests use tiny pools)
-    kv_cache_commit_tokens: int = 8192     # CPU: KV tokens written at start; cached blocks are recycled before the pool commits more
+    kv_cache_commit_tokens: int = 5120     # CPU: KV tokens written at start; never-hit cached blocks are recycled before the pool commits more
     max_num_seqs: int = 64                 # sequences per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decodes)
     max_prefill_tokens_per_step: Optional[int] = None  # cap on prefill tokens per step
