@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from llmserve.config import EngineConfig
+from llmserve.config import INT4_ACTIVATIONS, EngineConfig
 
 if TYPE_CHECKING:
     from llmserve.server.server_limits import ServerLimits
@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "quantize any checkpoint at load (docs/QUANTIZATION.md)")
     g.add_argument("--quantization-group-size", type=int, default=32,
                    choices=[32, 64, 128, 256], help="int4 group size along the input dimension")
-    g.add_argument("--int4-activations", default="auto", choices=["auto", "int8", "bf16"],
+    g.add_argument("--int4-activations", default="auto", choices=INT4_ACTIVATIONS,
                    help="what meets int4 weights: int8 (rows quantized in blocks of 32, "
                         "llama.cpp's Q8 arithmetic, ~1.4x faster many-row products) or bf16 "
                         "(exact codes x bf16); auto: int8 where the CPU has AVX512-VNNI")

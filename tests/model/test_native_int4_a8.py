@@ -14,6 +14,8 @@ from llmserve.model.quant.kernels import Int4Groups, Int4Weight, quantize_int4
 from llmserve.model.quant.native_int4 import (int4_a8_mm, int4_a8_reference,
                                               native_int4_a8_available, pack_int4_a8)
 
+from .test_native_kernels import (INT4_SHAPES, assert_one_compiled_graph_for_every_batch,
+                                  assert_rejects_a_weight_for_k64)
 from .tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 needs_a8 = pytest.mark.skipif(not native_int4_a8_available(),
@@ -29,8 +31,7 @@ def within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor,
 
 
 @needs_a8
-@pytest.mark.parametrize("n,k,g", [(24, 64, 32), (192, 576, 32), (1040, 256, 64),
-                                   (48, 512, 128), (32, 512, 256)])
+@pytest.mark.parametrize("n,k,g", INT4_SHAPES)
 def test_int4_a8_mm_equals_its_float64_reference(n, k, g):
     torch.manual_seed(n + k)
     groups = quantize_int4(torch.randn(n, k), g)
@@ -77,8 +78,7 @@ def test_a_nan_activation_gives_nan_outputs_and_tiny_blocks_give_zeros():
 def test_int4_a8_mm_rejects_mismatched_operands():
     groups = quantize_int4(torch.randn(32, 64), 32)
     packed, sm = pack_int4_a8(groups.q, groups.scale, groups.zero, 32)
-    with pytest.raises(RuntimeError, match="packed weight is for K=64"):
-        int4_a8_mm(torch.randn(2, 128).bfloat16(), packed, sm, 32)
+    assert_rejects_a_weight_for_k64(int4_a8_mm, (packed, sm))
     with pytest.raises(RuntimeError, match="fp16"):
         int4_a8_mm(torch.randn(2, 64).bfloat16(), packed, sm.float(), 32)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -101,15 +101,8 @@ def test_scales_outside_fp16_keep_bf16_activations(caplog):
 
 @needs_a8
 def test_int4_a8_layer_in_one_compiled_graph_for_every_batch():
-    from torch._dynamo.utils import counters
     layer = Int4Weight(quantize_int4(torch.randn(96, 128), 32), int8_activations=True)
-    torch._dynamo.reset()
-    counters.clear()
-    step = torch.compile(lambda t: torch.relu(layer(t)), fullgraph=True, dynamic=True)
-    for rows in (2, 5, 33):
-        x = torch.randn(rows, 128).bfloat16()
-        torch.testing.assert_close(step(x), torch.relu(layer(x)), atol=0, rtol=0)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert_one_compiled_graph_for_every_batch(layer, 128)
 
 
 def test_activation_choice(monkeypatch):

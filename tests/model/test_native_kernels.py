@@ -37,9 +37,12 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+#: int4 weights (N, K, group): padded N, every group size, the model's K's
+INT4_SHAPES = [(24, 64, 32), (192, 576, 32), (1040, 256, 64), (48, 512, 128), (32, 512, 256)]
+
+
 @needs_native
-@pytest.mark.parametrize("n,k,g", [(24, 64, 32), (192, 576, 32), (1040, 256, 64),
-                                   (48, 512, 128), (32, 512, 256)])
+@pytest.mark.parametrize("n,k,g", INT4_SHAPES)
 def test_int4_mm_equals_the_dequantized_product(n, k, g):
     torch.manual_seed(n + k)
     groups = quantize_int4(torch.randn(n, k), g)
@@ -57,28 +60,37 @@ def test_int4_mm_equals_the_dequantized_product(n, k, g):
         assert rel_err(y, aten(x).float()) <= 0.01, rows
 
 
+def assert_rejects_a_weight_for_k64(product, weight) -> None:
+    """An int4 product given x with K=128 and a weight packed for K=64 names the mismatch."""
+    with pytest.raises(RuntimeError, match="packed weight is for K=64"):
+        product(torch.randn(2, 128).bfloat16(), *weight, 32)
+
+
+def assert_one_compiled_graph_for_every_batch(layer, k: int) -> None:
+    """A compiled graph around ``layer`` (dynamic batch) is one graph for 2, 5 and 33 rows
+    and equals the eager layer bit for bit."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda t: torch.relu(layer(t)), fullgraph=True, dynamic=True)
+    for rows in (2, 5, 33):
+        x = torch.randn(rows, k).bfloat16()
+        torch.testing.assert_close(step(x), torch.relu(layer(x)), atol=0, rtol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @needs_native
 def test_int4_mm_rejects_a_mismatched_weight():
     groups = quantize_int4(torch.randn(32, 64), 32)
-    packed, sz = pack_int4(groups.q, groups.scale, groups.zero, 32)
-    with pytest.raises(RuntimeError, match="packed weight is for K=64"):
-        int4_mm(torch.randn(2, 128).bfloat16(), packed, sz, 32)
+    assert_rejects_a_weight_for_k64(int4_mm, pack_int4(groups.q, groups.scale, groups.zero, 32))
     with pytest.raises(ValueError, match="N % 16"):
         pack_int4(groups.q[:24], groups.scale[:24], groups.zero[:24], 32)
 
 
 @needs_native
 def test_int4_mm_in_one_compiled_graph_for_every_batch():
-    from torch._dynamo.utils import counters
-    groups = quantize_int4(torch.randn(96, 128), 32)
-    layer = Int4Weight(groups)
-    torch._dynamo.reset()
-    counters.clear()
-    step = torch.compile(lambda t: torch.relu(layer(t)), fullgraph=True, dynamic=True)
-    for rows in (2, 5, 33):
-        x = torch.randn(rows, 128).bfloat16()
-        torch.testing.assert_close(step(x), torch.relu(layer(x)), atol=0, rtol=0)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert_one_compiled_graph_for_every_batch(Int4Weight(quantize_int4(torch.randn(96, 128), 32)),
+                                              128)
 
 
 def _decode_case(b, h, hkv, d, length, seed=0):

@@ -171,7 +171,7 @@ class BlockPool:
         """Take a reference on prefix-hit blocks (they turn hot); a free one leaves its queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                (self.hot_queue if block.hot else self.free_queue).remove(block)
+                self._queue_of(block).remove(block)
             block.ref_cnt += 1
             block.hot = block.block_hash is not None
 
@@ -188,7 +188,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 block.hot = block.hot and block.block_hash is not None
-                (self.hot_queue if block.hot else self.free_queue).append(block)
+                self._queue_of(block).append(block)
 
     def pin(self, blocks: Iterable[KVBlock]) -> None:
         """Take a pin reference on each block (it leaves the free queue; never evicted)."""
@@ -231,12 +231,16 @@ class BlockPool:
                 dropped += 1
         return dropped
 
+    def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        """The queue a free block waits in (by its hot flag)."""
+        return self.hot_queue if block.hot else self.free_queue
+
     def _drop_hash(self, block: KVBlock) -> None:
         if block.hot:       # nothing left to keep: a free one moves to the cold queue
-            block.hot = False
-            if block.ref_cnt == 0 and self.hot_queue.contains(block):   # free + hot: that queue
+            if block.ref_cnt == 0:
                 self.hot_queue.remove(block)
                 self.free_queue.append(block)
+            block.hot = False
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None

@@ -246,8 +246,6 @@ class KVCacheManager:
         hot_ids = {b.block_id for b in self.pool.hot_queue}
         if any(b.hot != (b.block_id in hot_ids) for b in queued):
             raise KVLedgerError("a block's hot flag disagrees with its queue")
-        if any(b.hot and b.block_hash is None for b in self.pool.blocks):
-            raise KVLedgerError("a hot block carries no hash")
         if len(set(free_ids)) != len(free_ids):
             raise KVLedgerError("a block is in the free queue twice")
         reserve = range(self.pool.next_reserve, self.pool.num_blocks)
@@ -263,6 +261,8 @@ class KVCacheManager:
                 raise KVLedgerError(f"{block}: free iff ref_cnt == 0 violated")
             if block.block_id in reserve and block.block_hash is not None:
                 raise KVLedgerError(f"{block}: a reserve block carries a hash")
+            if block.hot and block.block_hash is None:
+                raise KVLedgerError("a hot block carries no hash")
         if len(free_set) + len(reserve) + len(owners) != self.pool.num_blocks:
             raise KVLedgerError(
                 f"lost blocks: {len(free_set)} free + {len(reserve)} reserve + {len(owners)} "

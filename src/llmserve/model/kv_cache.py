@@ -66,7 +66,7 @@ class KVCachePool:
     """Per-layer K/V tensors for ``num_blocks`` usable blocks plus the scratch block.
 
     On the CPU the tensors are committed lazily (pages appear as they are first written);
-    ``commit_blocks`` blocks are written now, so that the first requests' KV writes take no
+    the first ``commit_blocks`` (at most ``num_blocks``) are written now, so that the first requests' KV writes take no
     page faults (the engine's BlockPool hands those blocks out before any other).
     """
 
@@ -82,11 +82,11 @@ class KVCachePool:
                        for _ in range(model.num_hidden_layers)]
         if device.type == "cpu" and commit_blocks > 0:
             t0 = time.perf_counter()
-            rows = min(commit_blocks, num_blocks) * block_size
+            rows = commit_blocks * block_size
             for k, v in self.caches:
                 k[:rows].zero_()
                 v[:rows].zero_()
-            logger.info("KV pool: %d blocks committed at start in %.2f s", rows // block_size,
+            logger.info("KV pool: %d blocks committed at start in %.2f s", commit_blocks,
                         time.perf_counter() - t0)
         self.bytes_per_token = kv_bytes_per_block(model, 1, dtype)
         self.pool_bytes = num_blocks * kv_bytes_per_block(model, block_size, dtype)

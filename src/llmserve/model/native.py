@@ -159,12 +159,15 @@ def native_available() -> bool:
     return _state["ok"]
 
 
-def kernel_checked(name: str, self_test: Callable[[], bool]) -> bool:
-    """The library is loaded and ``self_test`` (the kernel ``name`` against its PyTorch
-    reference) passed: decided once per process and kernel; a failure is logged."""
+def kernel_checked(name: str, self_test: Callable[[], bool],
+                   supported: Callable[[], bool] = lambda: True) -> bool:
+    """The library is loaded, ``supported()`` (CPU features a kernel needs beyond the
+    library's) holds and ``self_test`` (the kernel ``name`` against its PyTorch reference)
+    passed: decided once per process and kernel; a failed self-test is logged."""
     if name not in _self_tests:
-        ok = native_available() and self_test()
-        if native_available() and not ok:
+        runs = native_available() and supported()
+        ok = runs and self_test()
+        if runs and not ok:
             logger.warning("native %s kernel failed its self-test: PyTorch's kernels are used",
                            name)
         _self_tests[name] = ok

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "int4_operands.h"
 
 #include <immintrin.h>
 
@@ -209,22 +210,9 @@ void int4_mm_panels(const uint16_t* xp, int64_t rows, int64_t k, const float* xs
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                    int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int4_mm: x must be a contiguous 2-D bf16 tensor");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int4_mm: packed must be a contiguous 2-D uint8 tensor");
-  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
-  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && k % group_size == 0,
-              "int4_mm: K=", k, " is not a multiple of the group size ", group_size,
-              " (a multiple of 8)");
-  TORCH_CHECK(packed.size(1) == k / 4 * kChunkBytes, "int4_mm: packed weight is for K=",
-              packed.size(1) / kChunkBytes * 4, ", x has K=", k);
-  const int64_t groups = k / group_size;
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.dim() == 4 && scales_zeros.size(0) == strips &&
-                  scales_zeros.size(1) == groups && scales_zeros.size(2) == 2 &&
-                  scales_zeros.size(3) == kStrip,
-              "int4_mm: scales_zeros must be contiguous bf16 (strips, K/group, 2, 16)");
+  const auto [rows, k, strips, groups] = llmserve_native::check_int4_operands(
+      "int4_mm", x, packed, scales_zeros, group_size, 8, at::kBFloat16,
+      "scales_zeros must be contiguous bf16");
   const int64_t n = strips * kStrip;
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;

@@ -26,6 +26,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "int4_operands.h"
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -154,22 +156,10 @@ constexpr StripFn kStripFns[kMaxRows + 1] = {
 
 at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed,
                       const at::Tensor& scales_mins, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int4_a8_mm: x must be a contiguous 2-D bf16 tensor");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int4_a8_mm: packed must be a contiguous 2-D uint8 tensor");
-  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
-              "int4_a8_mm: K=", k, " is not a multiple of the group size ", group_size,
-              " (a multiple of 32)");
-  TORCH_CHECK(packed.size(1) == k / 8 * kOctetBytes, "int4_a8_mm: packed weight is for K=",
-              packed.size(1) / kOctetBytes * 8, ", x has K=", k);
-  const int64_t groups = k / group_size, blocks = k / kBlock;
-  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf && scales_mins.is_contiguous() &&
-                  scales_mins.dim() == 4 && scales_mins.size(0) == strips &&
-                  scales_mins.size(1) == groups && scales_mins.size(2) == 2 &&
-                  scales_mins.size(3) == kStrip,
-              "int4_a8_mm: scales_mins must be contiguous fp16 (strips, K/group, 2, 16)");
+  const auto [rows, k, strips, groups] = llmserve_native::check_int4_operands(
+      "int4_a8_mm", x, packed, scales_mins, group_size, kBlock, at::kHalf,
+      "scales_mins must be contiguous fp16");
+  const int64_t blocks = k / kBlock;
   const int64_t n = strips * kStrip;
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;

@@ -13,7 +13,8 @@
 An explicit int8/int4 with a float32 model converts activations to bf16 around each
 quantized product. ``--int4-activations`` (EngineConfig.int4_activations) says what meets the
 int4 codes: ``int8`` rows quantized in blocks of 32 (llama.cpp's Q4 x Q8 arithmetic, on
-AVX512-VNNI), ``bf16`` the activations as they are; ``auto`` is int8 where the kernel runs. The kernels are CPU-only; other devices need ``none``.
+AVX512-VNNI), ``bf16`` the activations as they are; ``auto`` is int8 where the kernel runs.
+The kernels are CPU-only; other devices need ``none``.
 See docs/QUANTIZATION.md for formats, kernels, errors and figures.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import kernel_checked, native_available
+from llmserve.model.native import kernel_checked
 
 STRIP = 16
 
@@ -84,6 +84,12 @@ def native_int4_available() -> bool:
 A8_BLOCK = 32
 
 
+def _scales_mins(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """fp16 ``(2, N, K/g)``: the scales and the mins ``zero - 8 * scale`` (w = q*scale + min)."""
+    scale32 = scale.float()
+    return torch.stack([scale32, zero.float() - 8 * scale32]).to(torch.float16)
+
+
 def pack_int4_a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group_size: int) -> "tuple[torch.Tensor, torch.Tensor] | None":
     """``(packed uint8 (N/16, K*8), scales_mins fp16 (N/16, K/g, 2, 16))`` of codes ``q``
@@ -97,9 +103,8 @@ def pack_int4_a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     strips, groups = n // STRIP, k // group_size
     t = q.to(torch.uint8).view(strips, STRIP, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
     packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(strips, k // 8 * 64)
-    scale32 = scale.float()
-    tiny = (scale32 != 0) & (scale32.abs() < 2.0 ** -14)   # subnormal (or 0) in fp16
-    sm = torch.stack([scale32, zero.float() - 8 * scale32]).to(torch.float16)
+    tiny = (scale != 0) & (scale.float().abs() < 2.0 ** -14)   # subnormal (or 0) in fp16
+    sm = _scales_mins(scale, zero)
     if not bool(torch.isfinite(sm).all()) or bool(tiny.any()):
         return None
     return packed, sm.view(2, strips, STRIP, groups).permute(1, 3, 0, 2).contiguous()
@@ -124,8 +129,7 @@ def int4_a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     codes = torch.round((xf * inv).float()).double()
     xd = (codes * (amax / 127).float().double()).view(m, k)
     n = q.shape[0]
-    sc = scale.float().half().double()
-    mn = (zero.float() - 8 * scale.float()).half().double()
+    sc, mn = _scales_mins(scale, zero).double()
     w = q.double().view(n, k // group_size, group_size) * sc[..., None] + mn[..., None]
     return xd.double() @ w.view(n, k).T
 
@@ -147,5 +151,5 @@ def _self_test_a8() -> bool:
 def native_int4_a8_available() -> bool:
     """The native library is loaded, the CPU has AVX512-VNNI and the int4 x int8 product
     checks out (once per process)."""
-    return (native_available() and bool(torch.ops.llmserve_native.a8_supported())
-            and kernel_checked("int4_a8", _self_test_a8))
+    return kernel_checked("int4_a8", _self_test_a8,
+                          supported=lambda: bool(torch.ops.llmserve_native.a8_supported()))
