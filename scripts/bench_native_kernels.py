@@ -93,15 +93,22 @@ def int4_step_cases(repeats: int) -> list[dict]:
 
 
 def head_cases(repeats: int) -> list[dict]:
-    from llmserve.model.quant.native_int8 import pack_int8
-    packed = pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8))
+    """The tied int8 LM head: bf16 activations (int8_mm) and, where the CPU has
+    AVX512-VNNI, int8 activations (int8_a8_mm)."""
+    from llmserve.model.quant.native_int8 import native_int8_a8_available, pack_int8, pack_int8_a8
+    q = torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8)
     scale = torch.rand(VOCAB).bfloat16()
+    ops = [("int8_mm", pack_int8(q))]
+    if native_int8_a8_available():
+        ops.append(("int8_a8_mm", pack_int8_a8(q)))
     out = []
-    for rows in (1, 8, 24, 32):
-        x = torch.randn(rows, HIDDEN).bfloat16()
-        s = time_call(lambda: torch.ops.llmserve_native.int8_mm(x, packed, scale, True), repeats)
-        out.append({"op": "int8_mm", "case": f"LM head {HIDDEN}x{VOCAB}", "rows": rows,
-                    "us": s * 1e6, "gflops": 2 * rows * HIDDEN * VOCAB / s / 1e9})
+    for name, packed in ops:
+        op = getattr(torch.ops.llmserve_native, name)
+        for rows in (1, 8, 24, 32):
+            x = torch.randn(rows, HIDDEN).bfloat16()
+            s = time_call(lambda: op(x, packed, scale, True), repeats)
+            out.append({"op": name, "case": f"LM head {HIDDEN}x{VOCAB}", "rows": rows,
+                        "us": s * 1e6, "gflops": 2 * rows * HIDDEN * VOCAB / s / 1e9})
     return out
 
 

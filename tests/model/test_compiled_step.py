@@ -156,28 +156,44 @@ def test_compile_failure_falls_back_to_eager(tiny_path, monkeypatch, caplog):
     assert got == ref.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
 
 
-def test_long_prefill_uses_the_compiled_norm_and_matches_eager(tiny_path, compiled_llm):
-    """A compiling engine gives its RMSNorms a compiled many-row norm (prefill chunks of 64+
-    rows); the logits stay those of the eager engine, whose norms stay plain."""
-    from llmserve.model.layers.norm import COMPILED_NORM_MIN_ROWS, RMSNorm
+def test_long_prefill_uses_the_compiled_rows_functions_and_matches_eager(tiny_path,
+                                                                         compiled_llm):
+    """A compiling engine gives its RMSNorms, rotary embedding and MLP activations compiled
+    many-row functions (prefill chunks of 64+ rows: layers/compiled_rows.py); the logits stay
+    those of the eager engine, whose modules stay plain."""
+    from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN
 
-    compiled_norms = [m for m in compiled_llm.engine.runner.model.modules()
-                      if isinstance(m, RMSNorm)]
-    assert compiled_norms and all(m.rows_norm is not None for m in compiled_norms)
+    def rows_modules(llm):
+        return [m for m in llm.engine.runner.model.modules() if hasattr(m, "compile_rows")]
+
+    compiled = rows_modules(compiled_llm)
+    kinds = {type(m).__name__ for m in compiled}
+    assert {"RMSNorm", "RotaryEmbedding", "GatedMLP"} <= kinds
+    attr = {"RMSNorm": "rows_norm", "RotaryEmbedding": "rows_rotary", "GatedMLP": "rows_act"}
+    assert all(getattr(m, attr[type(m).__name__]) is not None for m in compiled)
     eager = LLM(tiny_path, dtype="float32", num_kv_blocks=128, max_num_seqs=8,
                 enforce_eager=True)
-    assert all(m.rows_norm is None for m in eager.engine.runner.model.modules()
-               if isinstance(m, RMSNorm))
-    calls = []
-    norm = compiled_norms[0]
-    inner = norm.rows_norm
-    norm.rows_norm = lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+    assert all(getattr(m, attr[type(m).__name__]) is None for m in rows_modules(eager))
+    calls: "dict[str, list[int]]" = {}
+    wrapped = {}
+    for kind in attr:
+        module = next(m for m in compiled if type(m).__name__ == kind)
+        inner = getattr(module, attr[kind])
+        wrapped[kind] = (module, inner)
+
+        def spy(*a, _kind=kind, _inner=inner):
+            rows = a[1].shape[0] if _kind == "RotaryEmbedding" else a[0].shape[0]
+            calls.setdefault(_kind, []).append(rows)
+            return _inner(*a)
+        setattr(module, attr[kind], spy)
     try:
-        prompts = [list(range(200, 200 + COMPILED_NORM_MIN_ROWS + 30))]
+        prompts = [list(range(200, 200 + COMPILED_ROWS_MIN + 30))]
         ref_tokens, ref_logits, _ = _generate(eager, prompts)
         tokens, logits, _ = _generate(compiled_llm, prompts)
     finally:
-        norm.rows_norm = inner
-    assert calls and max(calls) >= COMPILED_NORM_MIN_ROWS
+        for kind, (module, inner) in wrapped.items():
+            setattr(module, attr[kind], inner)
+    assert set(calls) == set(attr)
+    assert all(min(rows) >= COMPILED_ROWS_MIN for rows in calls.values())
     assert tokens == ref_tokens
     torch.testing.assert_close(logits[0], ref_logits[0], atol=2e-4, rtol=1e-3)

@@ -63,14 +63,16 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
 
 
 @needs_a8
-def test_a_nan_activation_gives_nan_outputs_and_tiny_blocks_give_zeros():
+def test_a_nan_or_inf_activation_gives_nan_outputs_and_tiny_blocks_give_zeros():
     groups = quantize_int4(torch.randn(32, 64), 32)
     layer = Int4Weight(groups, int8_activations=True)
-    x = torch.randn(3, 64).bfloat16()
+    x = torch.randn(4, 64).bfloat16()
     x[1, 40] = float("nan")
     x[2] = 1e-35                                  # max|x| below the kernel's tiny threshold
+    x[3, 3] = float("inf")                        # no int8 code stands for it either
     y = layer(x)
     assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[0]).all())
+    assert bool(torch.isnan(y[3]).all())
     assert bool((y[2] == 0).all())
 
 

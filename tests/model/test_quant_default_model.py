@@ -22,6 +22,7 @@ from llmserve.eval.metrics import greedy_agreement
 from llmserve.eval.presets import PROMPTS
 from llmserve.model.gguf_loader import read_gguf
 from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int8 import native_int8_a8_available
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,8 @@ def packed():
 def test_weights_stay_packed(packed):
     runner = packed.engine.runner
     a8 = "-a8" if native_int4_a8_available() else ""   # --int4-activations auto
-    assert runner.quantization == f"linear:int4-g32{a8}x120;embedding:int8"
+    head = "-a8" if native_int8_a8_available() else ""  # the tied int8 LM head, the same
+    assert runner.quantization == f"linear:int4-g32{a8}x120;embedding:int8{head}"
     file_bytes = sum(t.nbytes for t in read_gguf(packed.engine.model_path).tensors.values())
     assert runner.weight_bytes <= 1.3 * file_bytes
 

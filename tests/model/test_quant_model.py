@@ -17,6 +17,7 @@ from llmserve.model.loader import load_model_config, open_checkpoint
 from llmserve.model.quant import select_linear_method
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
 from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int8 import native_int8_a8_available
 
 from .tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
@@ -58,7 +59,8 @@ def test_packed_gguf_weights_equal_dequantized(tiny_q4, activations):
     packed = engine(tiny_q4, quantization="auto", int4_activations=activations)
     dense = engine(tiny_q4, quantization="none", dtype="float32")
     fmt = "int4-g32-a8" if activations == "int8" else "int4-g32"
-    assert packed.engine.runner.quantization == f"linear:{fmt}x8;embedding:int8"
+    head = "int8-a8" if activations == "int8" and native_int8_a8_available() else "int8"
+    assert packed.engine.runner.quantization == f"linear:{fmt}x8;embedding:{head}"
     assert dense.engine.runner.quantization == "linear:densex8;embedding:dense"
     dense_layers = linears(dense)
     for name, layer in linears(packed).items():

@@ -346,3 +346,27 @@ def test_build_and_call_validate_shapes():
         Sampler()(torch.zeros(2, 5), make_batch([SamplingParams()], 5))
     with pytest.raises(ValueError, match="token ids"):
         make_batch([SamplingParams(repetition_penalty=1.2)], 5, prompts=[[9]])
+
+
+@pytest.mark.parametrize("vocab", [4096, 5000, 49152, 8193])
+def test_row_max_is_max_with_the_first_index_of_ties(vocab):
+    """The chunked argmax of wide rows: the same values and first indices as ``max(dim=-1)``
+    with ties inside and across chunks, a maximum only in the tail, all -inf rows, NaN rows
+    and a column slice of a wider tensor (the sampled vocabulary of a padded head)."""
+    from llmserve.model.sampler import row_max
+
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        x = torch.randint(-3, 3, (6, vocab + 7), generator=gen).float()[:, :vocab]
+        x[1] = float("-inf")
+        x[2, vocab - 1] = 9.0                          # the tail (or the last chunk)
+        x[3, 5] = x[3, 3000] = 9.0                     # a tie across chunks: the first wins
+        if trial % 2:
+            x[4, trial * 13] = float("nan")
+        values, index = row_max(x)
+        ref_values, ref_index = x.max(dim=-1)
+        assert torch.equal(values.isnan(), ref_values.isnan())
+        ok = ~ref_values.isnan()
+        assert torch.equal(values[ok], ref_values[ok])
+        assert torch.equal(index[ok], ref_index[ok]), trial
+        assert index[3] == 5

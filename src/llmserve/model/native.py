@@ -142,6 +142,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::int4_mm")(_fake_int4_mm)
             torch.library.register_fake("llmserve_native::int4_a8_mm")(_fake_int4_mm)
             torch.library.register_fake("llmserve_native::int8_mm")(_fake_int8_mm)
+            torch.library.register_fake("llmserve_native::int8_a8_mm")(_fake_int8_mm)
             torch.library.register_fake("llmserve_native::bf16_mm")(_fake_bf16_mm)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
             _state["fakes"] = True

@@ -22,7 +22,7 @@ from llmserve.model.compile import CompiledDecodeStep, CompiledVerifyStep
 from llmserve.model.config import ModelConfig
 from llmserve.model.input_buffers import InputBuffers
 from llmserve.model.kv_cache import KVCachePool, plan_num_blocks
-from llmserve.model.layers.norm import enable_compiled_norm
+from llmserve.model.layers.compiled_rows import enable_compiled_rows
 from llmserve.model.loader import CheckpointSource
 from llmserve.model.logits_processors import LogitsAdjuster
 from llmserve.model.lora import LoraManager
@@ -33,7 +33,7 @@ from llmserve.model.parallel.workers import broadcast_step, init_tensor_parallel
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
 from llmserve.model.prompt_logprobs import score_prompt_tokens
 from llmserve.model.quant import describe_quantization, select_linear_method
-from llmserve.model.sampler import Sampler, SamplingBatch
+from llmserve.model.sampler import Sampler, SamplingBatch, row_max
 from llmserve.model.spec_verifier import verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -152,9 +152,9 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile the decode step for every batch bucket now (else on first use), and the
-        norm of eager many-row steps."""
+        element-wise work of eager many-row steps (layers/compiled_rows.py)."""
         if self.compiled is not None:
-            enable_compiled_norm(self.model, self.dtype, self.device)
+            enable_compiled_rows(self.model, self.dtype, self.device)
             self.compiled.warmup()
         if self.compiled_verify is not None:
             self.compiled_verify.warmup()
@@ -358,7 +358,7 @@ def _plain_greedy(s) -> bool:
 
 def _argmax_tokens(logits: torch.Tensor) -> list[int]:
     """One pass: each row's argmax; a row with no finite maximum fails like the sampler."""
-    values, index = logits.max(dim=-1)
+    values, index = row_max(logits)
     bad = ~torch.isfinite(values)
     tokens, bad_rows = torch.stack([index, bad.to(index.dtype)]).tolist()
     if any(bad_rows):

@@ -26,7 +26,7 @@ from llmserve.model.logits_processors import apply_logit_bias_, apply_token_bitm
 from llmserve.model.sampling_batch import SamplingBatch
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "apply_penalties_",
-           "apply_min_tokens_mask_", "apply_top_k_top_p_", "apply_min_p_"]
+           "apply_min_tokens_mask_", "apply_top_k_top_p_", "apply_min_p_", "row_max"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,35 @@ _NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = 1024
 # torch.topk is used instead of a full sort while k is at most this fraction of the vocabulary.
 _TOPK_FRACTION = 0.25
+# row_max looks for a row's maximum in chunks of this many logits.
+_ARGMAX_CHUNK = 1024
+
+
+def row_max(x: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``x.max(dim=-1)`` of a 2-D float tensor: each row's maximum and its first index.
+
+    PyTorch's CPU argmax is a scalar loop (~0.5 ms for 24 x 49152 logits, against 0.03 ms for
+    the vectorized ``amax``). Wide rows are cut in chunks: ``amax`` per chunk, the first chunk
+    that reaches the row's maximum, and the first index in that chunk alone. A row holding a
+    NaN has a NaN maximum (its index means nothing), as ``max``.
+    """
+    n, v = x.shape
+    if v < 4 * _ARGMAX_CHUNK or x.stride(1) != 1 or x.device.type != "cpu":
+        return x.max(dim=-1)
+    full = v - v % _ARGMAX_CHUNK
+    chunks = x[:, :full].view(n, full // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    chunk_max = chunks.amax(dim=-1)                                  # (n, chunks)
+    values = chunk_max.amax(dim=-1)
+    tail = x[:, full:]
+    if full < v:
+        values = torch.maximum(values, tail.amax(dim=-1))
+    reached = chunk_max == values.unsqueeze(1)
+    first = reached.to(torch.uint8).argmax(dim=-1)                   # first chunk at the max
+    rows = torch.arange(n, device=x.device)
+    index = chunks[rows, first].argmax(dim=-1) + first * _ARGMAX_CHUNK
+    if full < v:   # a maximum only in the tail
+        index = torch.where(reached.any(dim=-1), index, tail.argmax(dim=-1) + full)
+    return values, index
 
 
 def apply_penalties_(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -195,9 +224,9 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
         x = self.process_logits(logits, batch)
-        row_max = x.amax(dim=-1, keepdim=True)
-        bad = ~torch.isfinite(row_max.squeeze(1))
-        greedy_tokens = x.argmax(dim=-1) if batch.any_greedy else None
+        peak = x.amax(dim=-1, keepdim=True)
+        bad = ~torch.isfinite(peak.squeeze(1))
+        greedy_tokens = row_max(x)[1] if batch.any_greedy else None
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
@@ -205,7 +234,7 @@ class Sampler:
                 filtered = self.filter_logits(x, batch)
                 weights = (filtered - filtered.amax(dim=-1, keepdim=True)).exp_()
             else:  # max commutes with the positive temperature scaling
-                weights = (x - row_max).div_(batch.temperature.unsqueeze(1)).exp_()
+                weights = (x - peak).div_(batch.temperature.unsqueeze(1)).exp_()
             saved = [(g, g.get_state()) for g in (batch.generators[r] for r in batch.seeded_rows)]
             tokens = self._draw(weights, batch)
             if greedy_tokens is not None:

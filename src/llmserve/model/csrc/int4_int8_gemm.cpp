@@ -27,59 +27,20 @@
 #include <torch/library.h>
 
 #include "int4_operands.h"
+#include "int8_rows.h"
 
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 namespace {
 
 constexpr int kStrip = 16;         // output channels per strip (one fp32 zmm)
 constexpr int kOctetBytes = 64;    // 8 k's x 16 channels x 4 bits
-constexpr int kBlock = 32;         // activation quantization block (k's)
+constexpr int kBlock = llmserve_native::kQuantBlock;   // activation quantization block
 constexpr int kMaxRows = 8;        // activation rows per tile
 constexpr int64_t kPrefetchBytes = 1024;
-constexpr float kTinyBlock = 1e-30f;  // activation blocks with max|x| <= this are zeros
-
-// x (rows, k) bf16 -> codes (rows, k) int8, and per (row, block): s and s * sum(codes).
-void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* codes, float* scales,
-                   float* scaled_sums) {
-  const int64_t blocks = k / kBlock;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint16_t* p = x + r * k + b * kBlock;
-        __m512 v[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m512i w = _mm512_cvtepu16_epi32(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h)));
-          v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-        }
-        const float amax = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-        // a NaN makes the block's scale NaN (so the outputs it feeds are NaN, as in the bf16
-        // kernel); blocks below kTinyBlock quantize to zeros (127 / amax would overflow)
-        const bool nan = (_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
-                          _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q)) != 0;
-        const float inv = amax > kTinyBlock && !nan ? 127.0f / amax : 0.0f;
-        const __m512 vinv = _mm512_set1_ps(inv);
-        int32_t sum = 0;
-        for (int h = 0; h < 2; ++h) {
-          // round to nearest even (the MXCSR default), as torch.round
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], vinv));
-          sum += _mm512_reduce_add_epi32(q);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * k + b * kBlock + 16 * h),
-                           _mm512_cvtsepi32_epi8(q));
-        }
-        const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
-        scales[r * blocks + b] = s;
-        scaled_sums[r * blocks + b] = s * static_cast<float>(sum);
-      }
-    }
-  });
-}
 
 inline __m512 load_fp16x16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -96,9 +57,9 @@ inline __m512i broadcast4(const int8_t* p) {
 // vpdpbusd needs AVX512-VNNI: enabled for these functions only (the library's other
 // kernels need AVX512-BF16 alone); a8_supported() gates every call.
 template <int ROWS>
-__attribute__((target("avx512vnni"))) void strip_rows(const uint8_t* w, const uint16_t* sm, const int8_t* xq, int64_t ldx,
-                const float* xs, const float* xt, int64_t blocks, int64_t blocks_per_group,
-                uint16_t* y, int64_t ldy) {
+__attribute__((target("avx512vnni"))) void strip_rows(
+    const uint8_t* w, const uint16_t* sm, const int8_t* xq, int64_t ldx, const float* xs,
+    const float* xt, int64_t blocks, int64_t blocks_per_group, uint16_t* y, int64_t ldy) {
   constexpr bool kSplit = ROWS <= 3;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 out[ROWS];
@@ -168,7 +129,8 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed,
   int8_t* xq = codes_t.data_ptr<int8_t>();
   float* xs = stats_t.data_ptr<float>();
   float* xt = xs + rows * blocks;
-  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq, xs, xt);
+  llmserve_native::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq,
+                                 xs, xt);
 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(scales_mins.data_ptr());

@@ -2,8 +2,9 @@
 
 A GGUF file's block-quantized table (given raw by a quantized load) is kept as int8 rows with
 one bf16 scale each (:class:`Int8Weight`): the lookup dequantizes the selected rows and a tied
-head multiplies with ``_weight_int8pack_mm`` on the same bytes, so the table is held once at
-1 byte per weight. A float table stays dense in the model dtype.
+head multiplies on the same bytes (llmserve's native int8 kernels, with int8 activations where
+the linear method has them: ``--int4-activations``), so the table is held once at 1 byte per
+weight. A float table stays dense in the model dtype.
 """
 from __future__ import annotations
 
@@ -90,8 +91,13 @@ class LMHead(nn.Module):
         self.vocab_size = vocab_size
         self.packed_id: Optional[int] = None
         self.native_head: Optional[torch.Tensor] = None
+        # the linear method's choice for quantized products (--int4-activations) also
+        # holds for a tied int8 table
+        self.int8_activations = bool(getattr(method, "int8_activations", False))
 
     def finish_loading(self, prepack: bool = True) -> None:
+        if self.linear is None and self.tied.qweight is not None and self.int8_activations:
+            self.tied.qweight = self.tied.qweight.with_int8_activations()
         if self.linear is not None or self.tied.weight is None or not prepack:
             return
         if can_pack_native(self.tied.weight.data):

@@ -13,10 +13,12 @@ checkpoints load without any row permutation.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN, compile_rows, many_rows
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
@@ -92,14 +94,31 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat([angles.cos(), angles.sin()], -1) * rope_attention_factor(scaling)
         table = table.to(torch.float32)
         self.register_buffer("cos_sin", table.to(device), persistent=False)
-        self.half = head_dim // 2
+        self.rows_rotary: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def compile_rows(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Take the compiled many-row rotation (layers/compiled_rows.py)."""
+        rows, d = COMPILED_ROWS_MIN, self.cos_sin.shape[1]
+        q = torch.zeros(rows, 2, d, dtype=dtype, device=device)
+        positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.rows_rotary = compile_rows(rotate_qk, self.cos_sin, positions, q, q[:, :1])
+        return self.rows_rotary is not None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q (T, Hq, D)``, ``k (T, Hkv, D)`` rotated to their positions ``(T,)``."""
-        cs = self.cos_sin.index_select(0, positions).unsqueeze(1)      # (T, 1, D)
-        cos, sin = cs[..., :self.half], cs[..., self.half:]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rows_rotary is not None and many_rows(positions.shape[0]):
+            return self.rows_rotary(self.cos_sin, positions, q, k)
+        return rotate_qk(self.cos_sin, positions, q, k)
+
+
+def rotate_qk(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` rotated by the rows ``positions`` of a ``[cos | sin]`` table."""
+    cs = cos_sin.index_select(0, positions).unsqueeze(1)      # (T, 1, D)
+    half = cs.shape[-1] // 2
+    cos, sin = cs[..., :half], cs[..., half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

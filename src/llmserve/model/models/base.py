@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from llmserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
+from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN, compile_rows, many_rows
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
 from llmserve.model.layers.linear import Linear, LinearMethod
 from llmserve.model.layers.norm import RMSNorm, gated_activation
@@ -93,9 +94,21 @@ class GatedMLP(nn.Module):
                                    method=method, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate, hidden, bias=False, method=method, dtype=dtype,
                                 device=device)
+        self.intermediate = intermediate
+        self.rows_act: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def compile_rows(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Take the compiled many-row activation (layers/compiled_rows.py)."""
+        gate_up = torch.zeros(COMPILED_ROWS_MIN, 2 * self.intermediate, dtype=dtype,
+                              device=device)
+        self.rows_act = compile_rows(self.act, gate_up)
+        return self.rows_act is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        act = self.rows_act if self.rows_act is not None and gate_up.dim() == 2 and \
+            many_rows(gate_up.shape[0]) else self.act
+        return self.down_proj(act(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -14,6 +14,8 @@ An explicit int8/int4 with a float32 model converts activations to bf16 around e
 quantized product. ``--int4-activations`` (EngineConfig.int4_activations) says what meets the
 int4 codes: ``int8`` rows quantized in blocks of 32 (llama.cpp's Q4 x Q8 arithmetic, on
 AVX512-VNNI), ``bf16`` the activations as they are; ``auto`` is int8 where the kernel runs.
+The same choice holds for a GGUF file's tied embedding table, kept as int8 rows: with int8
+activations the LM head multiplies by ``int8_a8_mm`` (``embedding:int8-a8`` in the name).
 The kernels are CPU-only; other devices need ``none``.
 See docs/QUANTIZATION.md for formats, kernels, errors and figures.
 """
@@ -104,7 +106,8 @@ def describe_quantization(model: nn.Module) -> str:
                 fmt = "dense"
             formats[fmt] += 1
         elif isinstance(module, VocabEmbedding):
-            embedding = "int8" if module.qweight is not None else "dense"
+            q = module.qweight
+            embedding = "dense" if q is None else "int8-a8" if q.int8_activations else "int8"
     linear = ",".join(f"{k}x{v}" for k, v in sorted(formats.items()))
     return f"linear:{linear};embedding:{embedding}"
 

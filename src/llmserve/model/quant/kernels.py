@@ -35,7 +35,9 @@ from llmserve.model.quant.native_int4 import int4_mm as native_int4_mm
 from llmserve.model.quant.native_int4 import (int4_a8_mm, native_int4_a8_available,
                                               native_int4_available, pack_int4, pack_int4_a8)
 from llmserve.model.quant.native_int8 import int8_mm as native_int8_mm
-from llmserve.model.quant.native_int8 import native_int8_available, pack_int8, packed_rows
+from llmserve.model.quant.native_int8 import (A8_BLOCK, int8_a8_mm, native_int8_a8_available,
+                                              native_int8_available, pack_int8, pack_int8_a8,
+                                              packed_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -315,10 +317,13 @@ class Int8Weight(nn.Module):
     the int8 bytes); from :data:`INT8_GEMM_MIN_ROWS` rows on
     (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights), bf16 tiles of the weight feed a
     dense GEMM (:func:`int8_mm`).
+
+    ``int8_activations`` packs for ``int8_a8_mm`` (rows quantized in blocks of 32, ~2x the
+    bf16 kernel) where it runs: native, K % 32 == 0, AVX512-VNNI (``self.int8_activations``).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,
-                 native: "bool | None" = None) -> None:
+                 native: "bool | None" = None, int8_activations: bool = False) -> None:
         super().__init__()
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"int8 weight needs q int8 (N, K) and scale (N,), got "
@@ -328,17 +333,24 @@ class Int8Weight(nn.Module):
             and q.device.type == "cpu" and self.in_features % 2 == 0
         if native and not self.native:
             raise ValueError("the native int8 kernel is not available for this weight/machine")
+        self.int8_activations = (int8_activations and self.native
+                                 and self.in_features % A8_BLOCK == 0
+                                 and native_int8_a8_available())
         scale = scale.to(KERNEL_DTYPE)
         if self.native:   # packing pads N to 16 with zero rows: give them a zero scale
-            q = pack_int8(q)
+            q = pack_int8_a8(q) if self.int8_activations else pack_int8(q)
             scale = torch.cat([scale, scale.new_zeros(q.shape[0] * 16 - self.out_features)])
         self.register_buffer("qweight", q.contiguous(), persistent=False)
         self.register_buffer("scale", scale.contiguous(), persistent=False)
 
+    def _native_product(self, x2: torch.Tensor, float_out: bool) -> torch.Tensor:
+        product = int8_a8_mm if self.int8_activations else native_int8_mm
+        return product(x2, self.qweight, self.scale, float_out, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_kernel_input(x)
         if self.native:
-            y = native_int8_mm(x2, self.qweight, self.scale, out_features=self.out_features)
+            y = self._native_product(x2, False)
         elif x2.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph: inductor fuses this into one reduction over the
             # int8 bytes, 1.4-1.5x faster than the pack kernel at the default model's LM
@@ -353,9 +365,18 @@ class Int8Weight(nn.Module):
         near-tied logits are not rounded to bf16's 1/8 step at magnitude ~20 first."""
         if not self.native:
             return self(x).float()
-        y = native_int8_mm(_as_kernel_input(x), self.qweight, self.scale, True,
-                           self.out_features)
+        y = self._native_product(_as_kernel_input(x), True)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def with_int8_activations(self) -> "Int8Weight":
+        """This weight repacked for int8 activations (itself when it has them already or
+        the kernel cannot take it: see ``int8_activations``)."""
+        if self.int8_activations or not self.native:
+            return self
+        ids = torch.arange(self.out_features, device=self.qweight.device)
+        q = packed_rows(self.qweight, ids)
+        other = Int8Weight(q, self.scale[:self.out_features], native=True, int8_activations=True)
+        return other if other.int8_activations else self
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows ``ids`` (an embedding lookup in the same table)."""
@@ -370,7 +391,8 @@ class Int8Weight(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
-        return f"int8 per-channel, {self.out_features}x{self.in_features}"
+        a8 = ", int8 activations" if self.int8_activations else ""
+        return f"int8 per-channel{a8}, {self.out_features}x{self.in_features}"
 
 
 def kernels_available(device: torch.device) -> bool:

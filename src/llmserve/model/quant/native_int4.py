@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.model.native import kernel_checked
+from llmserve.model.quant.native_int8 import A8_BLOCK, quantized_rows_reference
 
 STRIP = 16
 
@@ -81,7 +82,6 @@ def native_int4_available() -> bool:
 #
 # 0.5 byte per weight plus 4 bytes per group, as the bf16 kernel's layout.
 
-A8_BLOCK = 32
 
 
 def _scales_mins(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -121,17 +121,12 @@ def int4_a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                       zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """The kernel's arithmetic in float64 (before its bf16 output rounding): the rows of
     ``x`` quantized as the kernel does, times the weight with fp16 scale and min."""
-    m, k = x.shape
-    xf = x.double().view(m, k // A8_BLOCK, A8_BLOCK)
-    amax = xf.abs().amax(-1, keepdim=True)
-    # float32 operations, each correctly rounded as the kernel's (float64, then rounded)
-    inv = torch.where(amax > 1e-30, 127.0 / amax, torch.zeros_like(amax)).float().double()
-    codes = torch.round((xf * inv).float()).double()
-    xd = (codes * (amax / 127).float().double()).view(m, k)
+    k = x.shape[1]
+    xd = quantized_rows_reference(x)
     n = q.shape[0]
     sc, mn = _scales_mins(scale, zero).double()
     w = q.double().view(n, k // group_size, group_size) * sc[..., None] + mn[..., None]
-    return xd.double() @ w.view(n, k).T
+    return xd @ w.view(n, k).T
 
 
 def _self_test_a8() -> bool:
