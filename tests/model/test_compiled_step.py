@@ -197,3 +197,35 @@ def test_long_prefill_uses_the_compiled_rows_functions_and_matches_eager(tiny_pa
     assert all(min(rows) >= COMPILED_ROWS_MIN for rows in calls.values())
     assert tokens == ref_tokens
     torch.testing.assert_close(logits[0], ref_logits[0], atol=2e-4, rtol=1e-3)
+
+
+def test_compiled_rows_functions_hold_one_graph_for_any_row_count(compiled_llm):
+    """After start-up the many-row functions never recompile: prefill chunks of other row
+    counts (and q/k as strided views of the fused projection) reuse the warm-up graphs."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    prompts = [list(range(300, 300 + n)) for n in (70, 131, 257)]
+    for prompt in prompts:
+        compiled_llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_a_graph_traced_over_many_rows_does_not_guard_on_the_row_count():
+    """Inside a dynamic-batch graph the modules inline their plain code without comparing
+    the row count with the many-row threshold (a guard that would split the graph at 64)."""
+    from torch._dynamo.utils import counters
+
+    from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN
+    from llmserve.model.layers.norm import RMSNorm
+
+    norm = RMSNorm(32, 1e-6, torch.float32, torch.device("cpu"))
+    assert norm.compile_rows(torch.float32, torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda t: torch.relu(norm(t)), dynamic=True)
+    for rows in (COMPILED_ROWS_MIN + 6, 3, 17):
+        x = torch.randn(rows, 32)
+        plain = torch.nn.functional.rms_norm(x, (32,), norm.weight, norm.eps)
+        torch.testing.assert_close(step(x), torch.relu(plain))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -109,9 +109,10 @@ def test_int8_a8_mm_rejects_bad_operands():
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="packed weight is for K=64, x has K=128"):
         int8_a8_mm(torch.randn(2, 128).bfloat16(), packed, scale)
-    with pytest.raises(RuntimeError, match=r"K must be a multiple of 32"):
-        int8_a8_mm(torch.randn(2, 48).bfloat16(), torch.zeros(2, 48 * 16, dtype=torch.uint8),
-                   scale)
+    for k in (48, 0):
+        with pytest.raises(RuntimeError, match=r"K must be a positive multiple of 32"):
+            int8_a8_mm(torch.randn(2, k).bfloat16(), torch.zeros(2, k * 16, dtype=torch.uint8),
+                       scale)
     with pytest.raises(RuntimeError, match="one value per \\(padded\\) channel"):
         int8_a8_mm(x, packed, scale[:24])
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-D bf16"):
@@ -137,7 +138,7 @@ def test_quad_layout_matches_the_documented_bytes_and_reads_back():
         pack_int8_a8(q[:, :48])
     ids = torch.tensor([0, 15, 16, 19, 3])
     quad, pair = packed_rows(packed, ids), packed_rows(pack_int8(q), ids)
-    assert quad.dtype == torch.int16 and torch.equal(quad, q[ids].to(torch.int16))
+    assert quad.dtype == torch.int8 and torch.equal(quad, q[ids])
     assert pair.dtype == torch.int8 and torch.equal(pair, q[ids])
 
 

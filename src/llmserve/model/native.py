@@ -1,15 +1,17 @@
 """llmserve's own CPU kernels (``model/csrc/*.cpp``), compiled on the machine that runs them.
 
-Four operators, ``torch.ops.llmserve_native``:
+Six operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
   :mod:`~llmserve.model.quant.native_int8` and :mod:`llmserve.model.layers.native_dense`
   pack the weights and document the layouts);
+- ``int4_a8_mm`` / ``int8_a8_mm``: the same int4 / int8 weights x activation rows quantized
+  to int8 in blocks of 32, by ``vpdpbusd`` (they also need AVX512-VNNI: ``a8_supported``);
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
   (:mod:`llmserve.model.attention.native_decode`).
 
-Both need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
+All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
 itself) and a C++ compiler: the one ``torch.compile`` needs already. They are built once per
 machine, torch build and source text into ``~/.cache/llmserve/kernels``
 (``LLMSERVE_KERNEL_CACHE``), in ~7-13 s, loaded with ``torch.ops.load_library``, and given

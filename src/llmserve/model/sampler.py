@@ -224,9 +224,13 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
         x = self.process_logits(logits, batch)
-        peak = x.amax(dim=-1, keepdim=True)
+        greedy_tokens = None
+        if batch.any_greedy:
+            values, greedy_tokens = row_max(x)
+            peak = values.unsqueeze(1)
+        else:
+            peak = x.amax(dim=-1, keepdim=True)
         bad = ~torch.isfinite(peak.squeeze(1))
-        greedy_tokens = row_max(x)[1] if batch.any_greedy else None
         if batch.all_greedy:
             tokens = greedy_tokens
         else:

@@ -36,6 +36,7 @@
 
 namespace {
 
+using llmserve_native::broadcast4;
 constexpr int kStrip = 16;         // output channels per strip (one fp32 zmm)
 constexpr int kOctetBytes = 64;    // 8 k's x 16 channels x 4 bits
 constexpr int kBlock = llmserve_native::kQuantBlock;   // activation quantization block
@@ -44,12 +45,6 @@ constexpr int64_t kPrefetchBytes = 1024;
 
 inline __m512 load_fp16x16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm512_set1_epi32(v);
 }
 
 // ROWS activation rows x one strip. With few rows the low and high nibbles accumulate

@@ -34,6 +34,7 @@
 
 namespace {
 
+using llmserve_native::broadcast4;
 using llmserve_native::kQuantBlock;
 using llmserve_native::load_bf16x16;
 
@@ -42,12 +43,6 @@ constexpr int kQuadBytes = 64;                       // 4 k's x 16 channels
 constexpr int kQuadsPerBlock = kQuantBlock / 4;      // 8
 constexpr int kMaxRows = 8;
 
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm512_set1_epi32(v);
-}
-
 // ROWS activation rows x one strip. Few rows keep two accumulator chains per row (even and
 // odd quads) to hide vpdpbusd's latency. Tile ``t`` requests its share of the next strip
 // (``next``, ``pf_lines`` per block: next_strip_prefetch.h).
@@ -55,13 +50,13 @@ template <int ROWS>
 __attribute__((target("avx512vnni"))) void strip_rows(
     const uint8_t* w, __m512 scale, const int8_t* xq, int64_t ldx, const float* xs,
     const int32_t* xsum, int64_t blocks, void* y, int64_t ldy, bool float_out,
-    const uint8_t* next, int64_t t, int64_t pf_lines) {
+    const uint8_t* next, int64_t next_bytes, int64_t t, int64_t pf_lines) {
   constexpr bool kSplit = ROWS <= 3;
   __m512 out[ROWS];
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * kQuadsPerBlock * kQuadBytes;
-    llmserve_native::prefetch_share(next, t, blocks, b, pf_lines);
+    llmserve_native::prefetch_share(next, next_bytes, t, blocks, b, pf_lines);
     __m512i acc[ROWS], acc2[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -96,7 +91,7 @@ __attribute__((target("avx512vnni"))) void strip_rows(
 
 using StripFn = void (*)(const uint8_t*, __m512, const int8_t*, int64_t, const float*,
                          const int32_t*, int64_t, void*, int64_t, bool, const uint8_t*, int64_t,
-                         int64_t);
+                         int64_t, int64_t);
 
 constexpr StripFn kStripFns[kMaxRows + 1] = {
     nullptr,         strip_rows<1>, strip_rows<2>, strip_rows<3>, strip_rows<4>,
@@ -110,9 +105,9 @@ at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "int8_a8_mm: packed must be a contiguous 2-D uint8 tensor");
   const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
-  TORCH_CHECK(k % kQuantBlock == 0 && packed.size(1) == k * kStrip,
+  TORCH_CHECK(k > 0 && k % kQuantBlock == 0 && packed.size(1) == k * kStrip,
               "int8_a8_mm: packed weight is for K=", packed.size(1) / kStrip, ", x has K=", k,
-              " (K must be a multiple of ", kQuantBlock, ")");
+              " (K must be a positive multiple of ", kQuantBlock, ")");
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
                   scale.numel() == strips * kStrip,
               "int8_a8_mm: scale must be contiguous bf16 with one value per (padded) channel");
@@ -120,13 +115,13 @@ at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return y;
   at::Tensor codes_t = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor stats_t = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
+  at::Tensor scales_t = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
   at::Tensor sums_t = at::empty({rows, blocks}, x.options().dtype(at::kInt));
   int8_t* xq = codes_t.data_ptr<int8_t>();
-  float* xs = stats_t.data_ptr<float>();
+  float* xs = scales_t.data_ptr<float>();
   int32_t* xsum = sums_t.data_ptr<int32_t>();
   llmserve_native::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq,
-                                 xs, xs + rows * blocks, xsum);
+                                 xs, nullptr, xsum);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   char* yp = static_cast<char*>(y.data_ptr());
@@ -142,7 +137,7 @@ at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
         const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
         kStripFns[tile](w, sc, xq + r0 * k, k, xs + r0 * blocks, xsum + r0 * blocks, blocks,
                         yp + (r0 * n + s * kStrip) * out_bytes, n, float_out, w + strip_bytes,
-                        t, s + 1 < end ? pf_lines : 0);
+                        strip_bytes, t, s + 1 < end ? pf_lines : 0);
       }
     }
   });

@@ -1,10 +1,11 @@
 // Activation rows -> int8 codes in blocks of 32, shared by the int8-activation products
-// (int4_a8_mm, int8_a8_mm): llama.cpp's Q8 arithmetic.
+// (int4_a8_mm, int8_a8_mm): llama.cpp's Q8 arithmetic. Also the broadcast of 4 codes that
+// both kernels feed to vpdpbusd.
 //
 //   per (row, block of 32 k's):  s = max|x| / 127,  code = round_half_even(x / s)
 //
-// stored as codes (rows, K) int8, scales[r, b] = s, scaled_sums[r, b] = s * sum(codes) and
-// (when asked) sums[r, b] = sum(codes). A NaN or an infinity makes the block's scale NaN and
+// stored as codes (rows, K) int8, scales[r, b] = s and, when asked (non-null),
+// scaled_sums[r, b] = s * sum(codes) and sums[r, b] = sum(codes). A NaN or an infinity makes the block's scale NaN and
 // its codes 0, so every output it feeds is NaN (an int8 code cannot stand for either); a block
 // with max|x| <= 1e-30 quantizes to zeros (127 / max|x| would overflow). Rows are independent: a row's codes never depend on its batch.
 #pragma once
@@ -14,6 +15,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace llmserve_native {
@@ -53,11 +55,18 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* co
         }
         const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
         scales[r * blocks + b] = s;
-        scaled_sums[r * blocks + b] = s * static_cast<float>(sum);
+        if (scaled_sums != nullptr) scaled_sums[r * blocks + b] = s * static_cast<float>(sum);
         if (sums != nullptr) sums[r * blocks + b] = sum;
       }
     }
   });
+}
+
+// Four int8 codes (k..k+3) in every 32-bit lane: vpdpbusd's signed operand.
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
 }
 
 }  // namespace llmserve_native

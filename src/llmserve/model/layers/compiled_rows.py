@@ -7,8 +7,9 @@ and a cast per tensor, 1.8 ms per layer at 2048 rows against 0.3 ms compiled. Mo
 ``compile_rows(dtype, device)`` method (RMSNorm, RotaryEmbedding, GatedMLP) get such a
 function compiled once with dynamic shapes (one graph for every row count, built on a dummy
 input at start-up) and call it for calls of at least :data:`COMPILED_ROWS_MIN` rows outside
-a compiled graph. Compiling engines only (``--enforce-eager`` keeps every op eager); where
-compiling fails the module logs it and stays eager.
+a compiled graph. Engines that compile their decode step only (``--enforce-eager``, tensor
+parallel and models the compiler cannot take keep every op eager); where compiling fails,
+at start-up or on a later call, the module logs it and runs the plain function.
 """
 from __future__ import annotations
 
@@ -22,24 +23,48 @@ logger = logging.getLogger(__name__)
 
 #: Eager calls with at least this many rows take a module's compiled function.
 COMPILED_ROWS_MIN = 64
+#: Rows of the dummy inputs that build the graphs (not a size the model's shapes use).
+WARMUP_ROWS = COMPILED_ROWS_MIN + 1
 
 _compiled: "dict[Callable, Callable]" = {}
 
 
 def many_rows(rows: int) -> bool:
     """An eager call with enough rows for the compiled functions (never inside a graph that
-    is being compiled: that one inlines the plain code)."""
-    return rows >= COMPILED_ROWS_MIN and not torch.compiler.is_compiling()
+    is being compiled: that one inlines the plain code). ``is_compiling`` is asked first: a
+    row count compared while a dynamic-batch graph is traced would become a guard on it."""
+    return not torch.compiler.is_compiling() and rows >= COMPILED_ROWS_MIN
+
+
+class _Guarded:
+    """A compiled function that falls back to the plain one, for good, if a call fails
+    (a recompilation at serve time that the compiler cannot do)."""
+
+    def __init__(self, compiled: Callable, plain: Callable) -> None:
+        self.compiled, self.plain, self.failed = compiled, plain, False
+
+    def __call__(self, *args: object) -> object:
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
+                self.failed = True
+                logger.warning("compiled %s failed (%s: %s); it runs eagerly from now on",
+                               getattr(self.plain, "__name__", self.plain),
+                               type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return self.plain(*args)
 
 
 def compile_rows(fn: Callable, *warm_args: object) -> Optional[Callable]:
     """``torch.compile(fn, dynamic=True)``, run now on ``warm_args`` (one call per distinct
-    set of non-tensor arguments builds its graph); the compiled function is shared by every
-    module of the process that asks for ``fn``. None (logged) when compiling fails."""
-    compiled = _compiled.get(fn) or torch.compile(fn, dynamic=True)
+    set of non-tensor arguments builds its graph; sizes of 0 or 1 and sizes equal to another
+    one would be specialised, so dummies use distinct sizes >= 2); the compiled function is
+    shared by every module of the process that asks for ``fn``. None (logged) when compiling
+    fails."""
+    compiled = _compiled.get(fn) or _Guarded(torch.compile(fn, dynamic=True), fn)
     try:
         with torch.inference_mode():
-            compiled(*warm_args)
+            compiled.compiled(*warm_args)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
         logger.warning("compiling %s for many-row steps failed (%s: %s); it stays eager",
                        getattr(fn, "__name__", fn), type(exc).__name__,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN, compile_rows, many_rows
+from llmserve.model.layers.compiled_rows import WARMUP_ROWS, compile_rows, many_rows
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def compile_rows(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Take the compiled many-row norm (one graph per eps value, shared by every norm)."""
-        x = torch.zeros(COMPILED_ROWS_MIN, self.size, dtype=dtype, device=device)
+        x = torch.zeros(WARMUP_ROWS, self.size, dtype=dtype, device=device)
         self.rows_norm = compile_rows(_rms_norm, x, torch.ones_like(x[0]), self.eps)
         return self.rows_norm is not None
 

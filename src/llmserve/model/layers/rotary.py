@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN, compile_rows, many_rows
+from llmserve.model.layers.compiled_rows import WARMUP_ROWS, compile_rows, many_rows
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
@@ -97,11 +97,13 @@ class RotaryEmbedding(nn.Module):
         self.rows_rotary: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
 
     def compile_rows(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Take the compiled many-row rotation (layers/compiled_rows.py)."""
-        rows, d = COMPILED_ROWS_MIN, self.cos_sin.shape[1]
-        q = torch.zeros(rows, 2, d, dtype=dtype, device=device)
+        """Take the compiled many-row rotation (layers/compiled_rows.py), built on q and k
+        as the attention passes them: views of one fused projection row."""
+        rows, d = WARMUP_ROWS, self.cos_sin.shape[1]
+        qkv = torch.zeros(rows, 7 * d, dtype=dtype, device=device)     # 3 + 2 + 2 heads
+        q, k = qkv[:, :3 * d].view(rows, 3, d), qkv[:, 3 * d:5 * d].view(rows, 2, d)
         positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.rows_rotary = compile_rows(rotate_qk, self.cos_sin, positions, q, q[:, :1])
+        self.rows_rotary = compile_rows(rotate_qk, self.cos_sin, positions, q, k)
         return self.rows_rotary is not None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -23,7 +23,7 @@ from torch import nn
 
 from llmserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
-from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN, compile_rows, many_rows
+from llmserve.model.layers.compiled_rows import WARMUP_ROWS, compile_rows, many_rows
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
 from llmserve.model.layers.linear import Linear, LinearMethod
 from llmserve.model.layers.norm import RMSNorm, gated_activation
@@ -99,7 +99,7 @@ class GatedMLP(nn.Module):
 
     def compile_rows(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Take the compiled many-row activation (layers/compiled_rows.py)."""
-        gate_up = torch.zeros(COMPILED_ROWS_MIN, 2 * self.intermediate, dtype=dtype,
+        gate_up = torch.zeros(WARMUP_ROWS, 2 * self.intermediate, dtype=dtype,
                               device=device)
         self.rows_act = compile_rows(self.act, gate_up)
         return self.rows_act is not None

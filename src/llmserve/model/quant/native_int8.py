@@ -30,16 +30,15 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the codes ``(len(ids), K)`` read back from either packed layout: the
-    pair layout (int8) or the quad layout of :func:`pack_int8_a8` (uint8, offset by 128;
-    returned as int16)."""
+    """Rows ``ids`` of the codes ``(len(ids), K)`` int8 read back from either packed layout:
+    the pair layout (int8) or the quad layout of :func:`pack_int8_a8` (uint8, offset by 128)."""
     strips, width = packed.shape
     k = width // STRIP
     ids = ids.reshape(-1)
     if packed.dtype == torch.uint8:
         view = packed.view(strips, k // 4, STRIP, 4)
         rows = view[ids // STRIP, :, ids % STRIP, :].reshape(ids.shape[0], k)
-        return rows.to(torch.int16) - 128
+        return (rows ^ 0x80).view(torch.int8)          # (q + 128) mod 256 -> q
     view = packed.view(strips, k // 2, STRIP, 2)
     return view[ids // STRIP, :, ids % STRIP, :].reshape(ids.shape[0], k)
 
@@ -91,7 +90,7 @@ def pack_int8_a8(q: torch.Tensor) -> torch.Tensor:
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
     strips = (n + pad) // STRIP
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    u = q.contiguous().view(torch.uint8) ^ 0x80                      # q + 128, as unsigned
     return u.view(strips, STRIP, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(strips, k * STRIP)
 
 
@@ -130,8 +129,7 @@ def _self_test_a8() -> bool:
     y = int8_a8_mm(x, packed, padded, True, 40).double()
     ref = int8_a8_reference(x, q, scale)
     ok = bool(((y - ref).abs() <= 1e-4 * ref.abs() + 1e-4).all())
-    return ok and torch.equal(packed_rows(packed, torch.tensor([0, 17, 39])),
-                              q[[0, 17, 39]].to(torch.int16))
+    return ok and torch.equal(packed_rows(packed, torch.tensor([0, 17, 39])), q[[0, 17, 39]])
 
 
 def native_int8_a8_available() -> bool:
