@@ -131,12 +131,17 @@ def tiny_q4(tmp_path_factory):
 
 @needs_a8
 def test_engines_with_either_activation_differ_in_fingerprint_not_in_greedy_tokens(tiny_q4):
+    """The int4 products and the tied int8 LM head both follow --int4-activations."""
     from llmserve import SamplingParams
+    from llmserve.model.quant.native_int8 import native_int8_a8_available
     prompt = [[5, 17, 300, 42, 9, 1000, 77, 8]]
     outs, prints = {}, {}
     for act in ("int8", "bf16"):
         llm = LLM(tiny_q4, num_kv_blocks=32, dtype="bfloat16", int4_activations=act)
-        assert ("-a8x" in llm.engine.runner.quantization) == (act == "int8")
+        name = llm.engine.runner.quantization
+        assert ("-a8x" in name) == (act == "int8")
+        head = "int8-a8" if act == "int8" and native_int8_a8_available() else "int8"
+        assert name.endswith(f"embedding:{head}"), name
         prints[act] = llm.engine.fingerprint
         outs[act] = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0,
                                                         ignore_eos=True))[0].outputs[0]

@@ -1,14 +1,13 @@
 """int8 weights x int8 activations (``llmserve_native::int8_a8_mm``, the tied int8 LM head
 with ``--int4-activations int8``): the kernel against its float64 reference, rows independent
 of their batch, NaN and tiny blocks, operand checks, the quad layout and its read-back,
-``Int8Weight(int8_activations=True)`` and its fallback, one compiled graph, and the engine's
-quantization name and fingerprint."""
+``Int8Weight(int8_activations=True)`` and its fallback, one compiled graph. (An engine's tied
+head following ``--int4-activations``: test_native_int4_a8.py's engine test.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmserve import LLM, SamplingParams
 from llmserve.model.quant.kernels import Int8Weight, quantize_int8
 from llmserve.model.quant.native_int8 import (
     int8_a8_mm, int8_a8_reference, native_int8_a8_available, pack_int8, pack_int8_a8,
@@ -16,7 +15,6 @@ from llmserve.model.quant.native_int8 import (
 )
 
 from .test_native_kernels import assert_one_compiled_graph_for_every_batch
-from .tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 needs_a8 = pytest.mark.skipif(not native_int8_a8_available(),
                               reason="the int8 x int8 kernel needs AVX512-VNNI and a compiler")
@@ -186,28 +184,3 @@ def test_int8_a8_weight_in_one_compiled_graph_for_every_batch():
     assert layer.int8_activations
     assert_one_compiled_graph_for_every_batch(layer, 128)
     assert_one_compiled_graph_for_every_batch(layer.logits, 128)
-
-
-@pytest.fixture(scope="module")
-def tiny_tied_q8_embedding(tmp_path_factory):
-    hf = make_tiny_checkpoint(str(tmp_path_factory.mktemp("i8a8hf")), num_heads=4,
-                              num_kv_heads=2, hidden=64, seed=5, tie=True)
-    return make_tiny_gguf(hf, str(tmp_path_factory.mktemp("i8a8gguf") / "t.Q4_1.gguf"),
-                          quant="Q4_1", embedding_quant="Q8_0", with_tokenizer=True)
-
-
-@needs_a8
-def test_tied_int8_head_follows_the_activation_choice(tiny_tied_q8_embedding):
-    prompt = [[5, 17, 300, 42, 9, 1000, 77, 8]]
-    names, prints, first = {}, {}, {}
-    for act in ("int8", "bf16"):
-        llm = LLM(tiny_tied_q8_embedding, num_kv_blocks=16, dtype="bfloat16",
-                  int4_activations=act, enforce_eager=True)
-        names[act] = llm.engine.runner.quantization
-        prints[act] = llm.engine.fingerprint
-        out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        first[act] = out[0].outputs[0].token_ids[0]
-    assert names["int8"].endswith("embedding:int8-a8"), names
-    assert names["bf16"].endswith("embedding:int8"), names
-    assert prints["int8"] != prints["bf16"]        # prefix caches never mix the two
-    assert first["int8"] == first["bf16"]
