@@ -28,6 +28,14 @@ def operands(n: int, k: int, seed: int):
     return q, scale
 
 
+def a8_layer(n: int, k: int, seed: int):
+    """Codes, scales and their ``Int8Weight`` with int8 activations; the global torch seed
+    (the tests' activations) set to ``seed`` too."""
+    torch.manual_seed(seed)
+    q, scale = operands(n, k, seed=seed)
+    return q, scale, Int8Weight(q, scale, int8_activations=True)
+
+
 def padded_scale(scale: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([scale, scale.new_zeros(packed.shape[0] * 16 - scale.shape[0])])
 
@@ -67,9 +75,7 @@ def test_int8_a8_mm_equals_its_float64_reference(n, k):
 
 @needs_a8
 def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
-    torch.manual_seed(1)
-    q, scale = operands(96, 256, seed=1)
-    layer = Int8Weight(q, scale, int8_activations=True)
+    q, scale, layer = a8_layer(96, 256, seed=1)
     x = torch.randn(37, 256).bfloat16()
     x[5] *= 1000                                   # an outlier row quantizes on its own scale
     batch, logits = layer(x), layer.logits(x)
@@ -81,9 +87,7 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
 
 @needs_a8
 def test_a_nan_or_inf_activation_gives_nan_outputs_and_tiny_blocks_contribute_zero():
-    torch.manual_seed(2)
-    q, scale = operands(32, 96, seed=2)
-    layer = Int8Weight(q, scale, int8_activations=True)
+    q, scale, layer = a8_layer(32, 96, seed=2)
     x = torch.randn(5, 96).bfloat16()
     x[1, 40] = float("nan")
     x[2] = 1e-35                                   # max|x| below the kernel's tiny threshold
@@ -178,9 +182,7 @@ def test_int8_weight_with_int8_activations_and_its_fallback():
 
 @needs_a8
 def test_int8_a8_weight_in_one_compiled_graph_for_every_batch():
-    torch.manual_seed(7)
-    q, scale = operands(96, 128, seed=7)
-    layer = Int8Weight(q, scale, int8_activations=True)
+    q, scale, layer = a8_layer(96, 128, seed=7)
     assert layer.int8_activations
     assert_one_compiled_graph_for_every_batch(layer, 128)
     assert_one_compiled_graph_for_every_batch(layer.logits, 128)

@@ -186,8 +186,7 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                block.hot = block.hot and block.block_hash is not None
+            if block.ref_cnt == 0:   # hot implies a hash: _drop_hash clears both
                 self._queue_of(block).append(block)
 
     def pin(self, blocks: Iterable[KVBlock]) -> None:

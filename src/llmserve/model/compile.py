@@ -131,9 +131,15 @@ class _CompiledStep:
             if self.failed:
                 raise
             self.failed = True
-            logger.warning("compiling the %s step failed (%s: %s); running eagerly", self.what,
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            logger.warning("compiling the %s step failed (%s); running eagerly", self.what,
+                           compiler_error(exc))
             return self._forward(*args, self.kv_caches)[0]
+
+
+def compiler_error(exc: BaseException) -> str:
+    """``Type: first line`` of a compiler exception (their messages run to pages)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class CompiledDecodeStep(_CompiledStep):

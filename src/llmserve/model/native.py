@@ -177,6 +177,12 @@ def kernel_checked(name: str, self_test: Callable[[], bool],
     return _self_tests[name]
 
 
+def a8_supported() -> bool:
+    """The CPU has what the int8-activation kernels (``int4_a8_mm``, ``int8_a8_mm``) need
+    beyond the library's features: AVX512-VNNI (the library's own check)."""
+    return bool(torch.ops.llmserve_native.a8_supported())
+
+
 def cut_padding(y: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` columns of a product whose N the packing padded to a strip multiple."""
     return y if y.shape[1] == n else y[:, :n]

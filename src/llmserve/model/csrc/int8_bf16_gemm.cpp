@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "int8_operands.h"
 #include "pair_tiles.h"
 
 #include <immintrin.h>
@@ -49,16 +50,9 @@ void convert_strip(const int8_t* w, int64_t pairs, __m512bh* out) {
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                    bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int8_mm: x must be a contiguous 2-D bf16 tensor");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous(),
-              "int8_mm: packed must be a contiguous 2-D int8 tensor");
-  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
-  TORCH_CHECK(k % 2 == 0 && packed.size(1) == k * kStrip, "int8_mm: packed weight is for K=",
-              packed.size(1) / kStrip, ", x has K=", k, " (K must be even)");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
-                  scale.numel() == strips * kStrip,
-              "int8_mm: scale must be contiguous bf16 with one value per (padded) channel");
+  const auto [rows, k, strips] = llmserve_native::check_int8_operands(
+      "int8_mm", x, packed, scale, at::kChar, "int8",
+      [](int64_t k) { return k % 2 == 0; }, "even");
   const int64_t n = strips * kStrip, pairs = k / 2;
   at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return y;

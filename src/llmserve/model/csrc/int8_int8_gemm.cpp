@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "int8_operands.h"
 #include "int8_rows.h"
 #include "next_strip_prefetch.h"
 
@@ -100,17 +101,9 @@ constexpr StripFn kStripFns[kMaxRows + 1] = {
 
 at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                       bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int8_a8_mm: x must be a contiguous 2-D bf16 tensor");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int8_a8_mm: packed must be a contiguous 2-D uint8 tensor");
-  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
-  TORCH_CHECK(k > 0 && k % kQuantBlock == 0 && packed.size(1) == k * kStrip,
-              "int8_a8_mm: packed weight is for K=", packed.size(1) / kStrip, ", x has K=", k,
-              " (K must be a positive multiple of ", kQuantBlock, ")");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
-                  scale.numel() == strips * kStrip,
-              "int8_a8_mm: scale must be contiguous bf16 with one value per (padded) channel");
+  const auto [rows, k, strips] = llmserve_native::check_int8_operands(
+      "int8_a8_mm", x, packed, scale, at::kByte, "uint8",
+      [](int64_t k) { return k > 0 && k % kQuantBlock == 0; }, "a positive multiple of 32");
   const int64_t n = strips * kStrip, blocks = k / kQuantBlock;
   at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return y;

@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from llmserve.model.compile import compiler_error
+
 logger = logging.getLogger(__name__)
 
 #: Eager calls with at least this many rows take a module's compiled function.
@@ -49,9 +51,8 @@ class _Guarded:
                 return self.compiled(*args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
                 self.failed = True
-                logger.warning("compiled %s failed (%s: %s); it runs eagerly from now on",
-                               getattr(self.plain, "__name__", self.plain),
-                               type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                logger.warning("compiled %s failed (%s); it runs eagerly from now on",
+                               getattr(self.plain, "__name__", self.plain), compiler_error(exc))
         return self.plain(*args)
 
 
@@ -66,9 +67,8 @@ def compile_rows(fn: Callable, *warm_args: object) -> Optional[Callable]:
         with torch.inference_mode():
             compiled.compiled(*warm_args)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
-        logger.warning("compiling %s for many-row steps failed (%s: %s); it stays eager",
-                       getattr(fn, "__name__", fn), type(exc).__name__,
-                       str(exc).splitlines()[0] if str(exc) else "")
+        logger.warning("compiling %s for many-row steps failed (%s); it stays eager",
+                       getattr(fn, "__name__", fn), compiler_error(exc))
         return None
     _compiled[fn] = compiled
     return compiled

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import kernel_checked
+from llmserve.model.native import a8_supported, kernel_checked
 from llmserve.model.quant.native_int8 import A8_BLOCK, quantized_rows_reference
 
 STRIP = 16
@@ -147,4 +147,4 @@ def native_int4_a8_available() -> bool:
     """The native library is loaded, the CPU has AVX512-VNNI and the int4 x int8 product
     checks out (once per process)."""
     return kernel_checked("int4_a8", _self_test_a8,
-                          supported=lambda: bool(torch.ops.llmserve_native.a8_supported()))
+                          supported=a8_supported)

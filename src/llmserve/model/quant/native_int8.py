@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import cut_padding, kernel_checked, pair_strips
+from llmserve.model.native import a8_supported, cut_padding, kernel_checked, pair_strips
 
 STRIP = 16
 A8_BLOCK = 32     # activation quantization block of the int8-activation kernels
@@ -136,4 +136,4 @@ def native_int8_a8_available() -> bool:
     """The native library is loaded, the CPU has AVX512-VNNI and the int8 x int8 product
     checks out (once per process)."""
     return kernel_checked("int8_a8", _self_test_a8,
-                          supported=lambda: bool(torch.ops.llmserve_native.a8_supported()))
+                          supported=a8_supported)
