@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install browser serve test bench bench-peers bench-peers-llama bench-peers-vllm clean
+.PHONY: install browser serve lint test bench bench-peers bench-peers-llama bench-peers-vllm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,14 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install browser
+# ruff (pyflakes, bugbear, import order), mypy on the torch-free layers, and the import
+# contracts of pyproject.toml ([tool.importlinter]); all three pinned in the test extras.
+lint: install
+	$(VENV)/bin/ruff check src tests tools scripts
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: install browser lint
 	$(PY) -m pytest $(ARGS)
 
 bench: install
@@ -57,10 +64,10 @@ JOBS ?= $(shell nproc)
 bench-peers: bench-peers-llama bench-peers-vllm
 
 bench-peers-llama: install
-	nice -n 19 $(PY) -m llmserve.bench.build_llama_server --jobs $(JOBS)
+	nice -n 19 $(PY) -m tools.peers.build_llama_server --jobs $(JOBS)
 
 bench-peers-vllm: install
-	nice -n 10 $(PY) -m llmserve.bench.setup_vllm --smoke-test
+	nice -n 10 $(PY) -m tools.peers.setup_vllm --smoke-test
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

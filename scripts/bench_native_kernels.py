@@ -143,7 +143,7 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--repeats", type=int, default=40)
     args = p.parse_args(argv)
-    from llmserve.model.native import native_available
+    from llmserve.model.native.ops import native_available
     if not native_available():
         print("native kernels unavailable here (AVX512-BF16 and a C++ compiler needed)",
               file=sys.stderr)

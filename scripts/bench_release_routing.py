@@ -17,7 +17,7 @@ import uuid
 import httpx
 
 from llmserve.gateway import hash_api_key
-from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.config.gateway_config import GatewayConfig
 from llmserve.gateway.hook import TenantGateway
 from tests.server.conftest import LiveServer
 from tests.server.server_fakes import FakeEngine

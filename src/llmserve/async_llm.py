@@ -13,8 +13,8 @@ One thread runs every torch op of the engine: :meth:`AsyncLLM.from_config` build
 engine (weights, compile, warmup) on the engine thread itself. libgomp keeps an OpenMP
 worker pool per thread that has run a parallel region; once two threads own pools, more
 threads are managed than there are cores and every worker is throttled from spinning to
-sleeping between regions, which made each decode step ~2x slower when the engine was
-built on the main thread and stepped on this one (docs/BENCHMARKS.md, "Engine thread").
+sleeping between regions, which made each decode step much slower when the engine was
+built on the main thread and stepped on this one (docs/BENCHMARKS.md, "One thread owns the OpenMP pools").
 """
 from __future__ import annotations
 
@@ -24,16 +24,50 @@ import logging
 import queue
 import threading
 import time
-
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from llmserve.config import EngineConfig
-from llmserve.llm_engine import LLMEngine, PromptType
+from llmserve.engine.request import Request
+from llmserve.llm_engine import LLMEngine, PromptType, UserRequest
 from llmserve.protocol import EngineStats, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
+# ---- what the event loops send the engine thread (one queue, handled between steps) ------
+@dataclass(frozen=True)
+class AddRequest:
+    """Admit a prepared request (the caller's and its ``n`` children)."""
+
+    user: UserRequest
+    children: list[Request]
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort a request by its engine id; ``confirm`` (if any) gets its final output."""
+
+    request_id: str
+    confirm: "Optional[asyncio.Future]" = None
+
+
+@dataclass(frozen=True)
+class CallOnEngine:
+    """Run ``fn(engine, *args)`` between steps; ``done`` gets the result or the error."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    done: "asyncio.Future"
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do: wakes the engine thread (at shutdown)."""
+
+
+EngineCommand = Union[AddRequest, AbortRequest, CallOnEngine, Wake]
 
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; no request can complete."""
@@ -67,7 +101,7 @@ class AsyncLLM:
         With a factory this waits until the engine is built and re-raises its error."""
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass an engine or an engine_factory, not both or neither")
-        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._commands: "queue.SimpleQueue[EngineCommand]" = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}      # internal engine id -> stream
         self._internal: dict[str, str] = {}          # caller's id -> internal engine id
         self._aborting: dict[str, asyncio.Future] = {}  # caller's id -> abort confirmation
@@ -120,7 +154,7 @@ class AsyncLLM:
     # ---- client side ----------------------------------------------------------------------
     def is_ready(self) -> bool:
         return (self._dead is None and self._thread.is_alive()
-                and getattr(self.engine.runner, "healthy", True))  # e.g. a TP worker died
+                and self.engine.executor.healthy)  # e.g. a TP worker died
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -150,7 +184,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), request_id)
         self._streams[internal] = stream
         self._internal[request_id] = internal
-        self._commands.put(("add", user, children))
+        self._commands.put(AddRequest(user, children))
         self._check_alive()  # the loop may have died while we registered
         finished = False
         try:
@@ -179,7 +213,7 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         if self._closed:
             raise EngineDeadError("the engine is shut down")
-        if not getattr(self.engine.runner, "healthy", True):
+        if not self.engine.executor.healthy:
             raise EngineDeadError("a tensor-parallel worker died; the engine cannot run steps")
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
@@ -202,12 +236,12 @@ class AsyncLLM:
             try:
                 confirm = asyncio.get_running_loop().create_future()
             except RuntimeError:  # no event loop (a stream finalized late): just abort
-                self._commands.put(("abort", internal))
+                self._commands.put(AbortRequest(internal))
                 return None
             self._aborting[request_id] = confirm
             confirm.add_done_callback(lambda f: self._aborting.pop(request_id, None)
                                       if self._aborting.get(request_id) is f else None)
-            self._commands.put(("abort", internal, confirm))
+            self._commands.put(AbortRequest(internal, confirm))
             if self._closed:  # no engine thread left to answer
                 confirm.set_result(None)
         return confirm
@@ -218,7 +252,7 @@ class AsyncLLM:
         exception) comes back here."""
         self._check_alive()
         done = asyncio.get_running_loop().create_future()
-        self._commands.put(("call", fn, args, done))
+        self._commands.put(CallOnEngine(fn, args, done))
         if self._closed and not done.done():
             done.set_exception(EngineDeadError("the engine is shut down"))
         return await done
@@ -243,11 +277,6 @@ class AsyncLLM:
         """The prefix cache's blocks, pins and hit counters (LLMEngine.cache_stats)."""
         return await self.call_on_engine(LLMEngine.cache_stats)
 
-    @property
-    def lora_enabled(self) -> bool:
-        """True when the engine serves LoRA adapters (``--max-loras``)."""
-        return self.engine.loras.enabled
-
     def lora_adapters(self) -> list[dict]:
         """The loaded LoRA adapters (EngineLoras.describe of each)."""
         return [self.engine.loras.describe(r) for r in self.engine.loras.list()]
@@ -269,36 +298,34 @@ class AsyncLLM:
         """Stop the engine thread; every open stream ends with EngineDeadError."""
         self._closed = True
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         self._thread.join(timeout)
         self.engine.grammars.shutdown()
-        stop_workers = getattr(self.engine.runner, "shutdown", None)
-        if callable(stop_workers):   # tensor-parallel workers: stop and reap them
-            stop_workers()
+        self.engine.executor.shutdown()   # tensor-parallel workers: stop and reap them
 
     # ---- engine thread --------------------------------------------------------------------
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, user, children = cmd
-            try:
-                self.engine.add_prepared(user, children)
-            except Exception as exc:  # e.g. a duplicate id: report to that caller only
-                stream = self._streams.get(user.request_id)
-                if stream is not None:
-                    stream.put(exc)
-        elif kind == "abort":
-            out = self.engine.abort_request(cmd[1])
-            if out is not None:
-                self._deliver_step([out])
-            if len(cmd) > 2:  # the caller waits for the confirmation
-                self._resolve(cmd[2], out)
-        elif kind == "call":
-            _, fn, args, done = cmd
-            try:
-                self._resolve(done, fn(self.engine, *args))
-            except Exception as exc:  # noqa: BLE001 - the caller gets the error
-                self._resolve(done, exc, failed=True)
+    def _handle(self, cmd: EngineCommand) -> None:
+        match cmd:
+            case AddRequest(user, children):
+                try:
+                    self.engine.add_prepared(user, children)
+                except Exception as exc:  # e.g. a duplicate id: report to that caller only
+                    stream = self._streams.get(user.request_id)
+                    if stream is not None:
+                        stream.put(exc)
+            case AbortRequest(request_id, confirm):
+                out = self.engine.abort_request(request_id)
+                if out is not None:
+                    self._deliver_step([out])
+                if confirm is not None:  # the caller waits for the confirmation
+                    self._resolve(confirm, out)
+            case CallOnEngine(fn, args, done):
+                try:
+                    self._resolve(done, fn(self.engine, *args))
+                except Exception as exc:  # noqa: BLE001 - the caller gets the error
+                    self._resolve(done, exc, failed=True)
+            case Wake():
+                pass
 
     @staticmethod
     def _resolve(future: "asyncio.Future", value: object, failed: bool = False) -> None:
@@ -318,7 +345,8 @@ class AsyncLLM:
     def _deliver_step(self, outs: list[RequestOutput]) -> None:
         """One step's deltas with one wake-up per event loop, not one per stream: every
         ``call_soon_threadsafe`` writes to the loop's self-pipe and takes the GIL from
-        the loop thread (at 24 streams that was ~4% of the engine thread's time)."""
+        the loop thread (at 24 streams that showed in the engine thread's profile:
+        docs/BENCHMARKS.md)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
@@ -373,8 +401,8 @@ class AsyncLLM:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if cmd[0] == "call":
-                    self._resolve(cmd[3], err, failed=True)
+                if isinstance(cmd, CallOnEngine):
+                    self._resolve(cmd.done, err, failed=True)
 
     def _audit_when_idle(self, every_s: float = 30.0) -> None:
         """While idle, check the KV ledger now and then: every block free, none lost."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from llmserve.config import INT4_ACTIVATIONS, EngineConfig
 
 if TYPE_CHECKING:
-    from llmserve.server.server_limits import ServerLimits
+    from llmserve.contract.server_limits import ServerLimits
 
 logger = logging.getLogger("llmserve")
 
@@ -36,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=[32, 64, 128, 256], help="int4 group size along the input dimension")
     g.add_argument("--int4-activations", default="auto", choices=INT4_ACTIVATIONS,
                    help="what meets int4 weights: int8 (rows quantized in blocks of 32, "
-                        "llama.cpp's Q8 arithmetic, ~1.4x faster many-row products) or bf16 "
+                        "llama.cpp's Q8 arithmetic, faster many-row products: docs/BENCHMARKS.md) "
+                        "or bf16 "
                         "(exact codes x bf16); auto: int8 where the CPU has AVX512-VNNI")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
@@ -156,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.server.launch import serve
 
     if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
-        from llmserve.model.parallel.workers import run_worker_from_env
+        from llmserve.model.distributed.workers import run_worker_from_env
 
         run_worker_from_env(engine_config_from_args(args))   # a torchrun rank > 0: no HTTP
         return 0
@@ -200,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_server_limit_args(p: argparse.ArgumentParser) -> None:
     """HTTP limit flags; each overrides the gateway config's ``server`` section (and the
-    defaults of ``llmserve.server.server_limits.ServerLimits``)."""
+    defaults of ``llmserve.contract.server_limits.ServerLimits``)."""
     g = p.add_argument_group("HTTP limits (default: the config's `server` section, else safe defaults)")
     g.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413)")
     g.add_argument("--body-read-timeout", dest="body_read_timeout_s", type=float, default=None,
@@ -217,7 +218,7 @@ def add_server_limit_args(p: argparse.ArgumentParser) -> None:
 
 def server_limits_from_args(args: argparse.Namespace, gateway: object = None) -> "ServerLimits":
     """The server's limits: the gateway config's ``server`` section (if any), then flags."""
-    from llmserve.server.server_limits import ServerLimits
+    from llmserve.contract.server_limits import ServerLimits
 
     config = getattr(gateway, "config", None)
     base = getattr(config, "server", None) or ServerLimits()
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
 
     add_admin_commands(sub)
-    from llmserve.gateway.release_cli import add_release_commands
+    from llmserve.gateway.releases.cli import add_release_commands
 
     add_release_commands(sub)
     _add_optional_commands(sub)
@@ -281,7 +282,7 @@ def _add_optional_commands(sub) -> None:
     from llmserve.bench.offline import add_offline_bench_parser
     from llmserve.bench.quant_step import add_quant_bench_parser
     from llmserve.bench.step_profile import add_step_bench_parser
-    from llmserve.export_hf import add_export_hf_subparser
+    from llmserve.model.loading.export_hf import add_export_hf_subparser
 
     add_export_hf_subparser(sub)
 

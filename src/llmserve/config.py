@@ -114,7 +114,7 @@ class EngineConfig:
 
     def spec_decode_config(self):
         """The speculative-decoding settings as the engine's SpecDecodeConfig."""
-        from llmserve.engine.spec_decode import SpecDecodeConfig
+        from llmserve.spec_decode.config import SpecDecodeConfig
 
         return SpecDecodeConfig(num_speculative_tokens=self.num_speculative_tokens,
                                 ngram_min=self.ngram_min, ngram_max=self.ngram_max,

@@ -19,17 +19,16 @@ from llmserve import __version__
 from llmserve.config import EngineConfig
 from llmserve.default_model import resolve_model_path
 from llmserve.engine.core import EngineCore, SequenceUpdate
-from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine_loras import EngineLoras
-from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.kv.kv_cache_manager import KVCacheManager
+from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
-from llmserve.protocol import (CompletionOutput, EngineStats, RequestOutput, TokenLogprob,
-                               priority_value)
+from llmserve.lora.engine_loras import EngineLoras
+from llmserve.protocol import EngineStats, FinishReason, RequestOutput, TokenLogprob, priority_value
 from llmserve.sampling_params import SamplingParams
-from llmserve.speculation import build_speculation
+from llmserve.spec_decode.wiring import build_speculation
 from llmserve.structured_output.compiler import GrammarCompiler
-from llmserve.tokenizer import Tokenizer
+from llmserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ PromptType = Union[str, Sequence[int]]
 
 
 @dataclass
-class _UserRequest:
+class UserRequest:
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
@@ -53,8 +52,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, check_invariants: bool = False) -> None:
         import torch  # noqa: F401  (the runner needs it; imported here to keep errors early)
 
-        from llmserve.model.loader import open_checkpoint
-        from llmserve.model.runner import ModelRunner
+        from llmserve.model.executor.executor import RunnerArgs, build_executor
+        from llmserve.model.loading.loader import open_checkpoint
 
         self.config = config
         self.model_path = resolve_model_path(config.model)
@@ -77,7 +76,11 @@ class LLMEngine:
         self.eos_token_ids = eos
         # token ids the tokenizer can decode; a checkpoint's padded vocab rows are never sampled
         self.vocab_size = min(ckpt.config.vocab_size, self.tokenizer.vocab_size)
-        self.runner = ModelRunner(config, ckpt, model_len, eos, sample_vocab_size=self.vocab_size)
+        #: one process or tensor-parallel ranks; ``runner`` is rank 0's (docs/ARCHITECTURE.md)
+        self.executor = build_executor(config, ckpt, RunnerArgs(
+            model_path=ckpt.path, max_model_len=model_len, eos_token_ids=eos,
+            sample_vocab_size=self.vocab_size))
+        self.runner = self.executor.runner
         #: structured-output grammars for this tokenizer (compiled off the engine thread by
         #: AsyncLLM; inline by a synchronous add_request)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
@@ -105,12 +108,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.spec = build_speculation(config, self)
-        self.core = EngineCore(self.scheduler, self.runner, OutputProcessor(self.tokenizer),
+        self.core = EngineCore(self.scheduler, self.executor, OutputProcessor(self.tokenizer),
                                check_invariants=check_invariants, spec=self.spec)
         self.model_name = _model_name(self.model_path)
         self.loras = EngineLoras(self, config)   # LoRA adapters (docs/LORA.md)
-        self.runner.warmup()
-        self._requests: dict[str, _UserRequest] = {}
+        self.executor.warmup()
+        self._requests: dict[str, UserRequest] = {}
         self._child_parent: dict[str, str] = {}
         logger.info("engine ready in %.1fs: %s (%s), fingerprint %s", time.time() - t0,
                     self.model_name, self.kv_dtype, self.fingerprint[:16])
@@ -152,7 +155,7 @@ class LLMEngine:
         arrival_time: Optional[float] = None, deadline: Optional[float] = None,
         queue_deadline: Optional[float] = None, prediction: Optional[str] = None,
         lora: Optional[str] = None,
-    ) -> tuple[_UserRequest, list[Request]]:
+    ) -> tuple[UserRequest, list[Request]]:
         """Validate and tokenize (thread-safe, touches no engine state). ``prediction``:
         the expected output text, drafted from by speculative decoding; ``lora``: the
         name of a loaded LoRA adapter to run under (LoraNotFound if none)."""
@@ -189,10 +192,10 @@ class LLMEngine:
             pred_ids = self.tokenizer.encode(prediction, add_special_tokens=False)
             for c in children:
                 c.spec_state = self.spec.prediction_state(c.request_id, pred_ids)
-        user = _UserRequest(request_id, text, ids, [c.request_id for c in children])
+        user = UserRequest(request_id, text, ids, [c.request_id for c in children])
         return user, children
 
-    def add_prepared(self, user: _UserRequest, children: list[Request]) -> None:
+    def add_prepared(self, user: UserRequest, children: list[Request]) -> None:
         if user.request_id in self._requests:
             raise ValueError(f"request id {user.request_id!r} is already in the engine")
         taken = [c.request_id for c in children
@@ -209,7 +212,8 @@ class LLMEngine:
         user, children = self.make_requests(request_id, prompt, params, **kwargs)
         self.add_prepared(user, children)
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> Optional[RequestOutput]:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT
+                      ) -> Optional[RequestOutput]:
         """Abort a user request (all its completions). Returns its final output, if it existed."""
         user = self._requests.get(request_id)
         if user is None:
@@ -221,10 +225,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the deltas of every user request that changed."""

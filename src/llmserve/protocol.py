@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-class FinishReason(str, enum.Enum):
-    """Why a sequence stopped. Values are the OpenAI API strings where one exists."""
+class FinishReason(enum.StrEnum):
+    """Why a sequence stopped. Values are the OpenAI API strings where one exists; a member
+    is its string (``FinishReason.STOP == "stop"``, ``str(...)`` and JSON give ``"stop"``)."""
 
     STOP = "stop"          # EOS, a stop token id or a stop string
     LENGTH = "length"      # max_tokens or the model's context reached
@@ -101,7 +102,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: "Optional[str | int]" = None  # the stop string or token id that matched
     logprobs: Optional[list[TokenLogprob]] = None
     num_tokens: int = 0

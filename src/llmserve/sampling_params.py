@@ -27,7 +27,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 class SamplingParams:
     """How to pick tokens for one request.
 
-    Filters apply to the logits in this order (see llmserve.model.sampler):
+    Filters apply to the logits in this order (see llmserve.model.sampling.sampler):
       1. penalties: repetition (on prompt + output tokens), then frequency and presence
          (on output tokens), all before temperature;
       2. `logit_bias` is added, then the `structured_output` grammar masks every token it

@@ -6,8 +6,7 @@ import random
 import pytest
 
 from llmserve.bench.workloads import TokenizersFileTokenizer
-
-from .bench_fake_server import ServerThread, make_app
+from tests.bench.bench_fake_server import ServerThread, make_app
 
 _WORDS = ("the quick brown fox jumps over lazy dog serving tokens cache prefix batch "
           "latency throughput request stream model engine block query key value head "

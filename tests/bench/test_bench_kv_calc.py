@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from llmserve.bench.kv_calc import (attention_variants, engine_pool_bytes_per_token,
-                                    gqa_kv_heads, kv_cache_bytes, kv_report, weight_param_counts)
+from llmserve.bench.kv_calc import (
+    attention_variants,
+    engine_pool_bytes_per_token,
+    gqa_kv_heads,
+    kv_cache_bytes,
+    kv_report,
+    weight_param_counts,
+)
 from llmserve.model.config import ModelConfig
 
 
@@ -109,7 +115,7 @@ def test_weight_params_match_known_totals():
 
 def test_engine_pool_matches_the_formula():
     pytest.importorskip("torch")
-    if importlib.util.find_spec("llmserve.model.runner") is None:
+    if importlib.util.find_spec("llmserve.model.executor.runner") is None:
         pytest.skip("engine runner not available")
     cfg = llama3_8b()
     assert engine_pool_bytes_per_token(cfg, 16, "bfloat16") == 128 * 1024

@@ -5,9 +5,16 @@ import math
 
 import pytest
 
-from llmserve.bench.metrics import (RequestRecord, bucket_of, compute_metrics,
-                                    concurrency_throughput_series, meets_slo, parse_slo,
-                                    percentile, summarize)
+from llmserve.bench.metrics import (
+    RequestRecord,
+    bucket_of,
+    compute_metrics,
+    concurrency_throughput_series,
+    meets_slo,
+    parse_slo,
+    percentile,
+    summarize,
+)
 
 
 def ok(rid, input_len, arrivals, end, usage=None, send=0.0) -> RequestRecord:

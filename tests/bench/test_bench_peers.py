@@ -15,13 +15,20 @@ from pathlib import Path
 import pytest
 
 from llmserve.bench import peers
-from llmserve.bench.build_llama_server import cmake_configure_args
 from llmserve.bench.cli import main
 from llmserve.bench.compare import builtin_server_specs
-from llmserve.bench.peers import (PeerSettings, PeerUnavailable, find_llama_server,
-                                  find_vllm_python, llama_server_command, peer_settings_for,
-                                  vllm_command, vllm_env)
-from llmserve.bench.setup_vllm import READY_MARKER, register_vllm_dist
+from llmserve.bench.peers import (
+    PeerSettings,
+    PeerUnavailable,
+    find_llama_server,
+    find_vllm_python,
+    llama_server_command,
+    peer_settings_for,
+    vllm_command,
+    vllm_env,
+)
+from tools.peers.build_llama_server import cmake_configure_args
+from tools.peers.setup_vllm import READY_MARKER, register_vllm_dist
 
 FAKE_SERVER = str(Path(__file__).with_name("bench_fake_server.py"))
 
@@ -257,7 +264,7 @@ def test_compare_names_the_missing_peer(cache, tmp_path, bpe_tokenizer_path, cap
 
 
 def test_build_falls_back_to_portable_when_native_fails_its_smoke_test(tmp_path, monkeypatch):
-    from llmserve.bench import build_llama_server as b
+    from tools.peers import build_llama_server as b
 
     def fake_build_variant(source, root, variant, jobs):
         bin_dir = root / f"build-{variant}" / "bin"

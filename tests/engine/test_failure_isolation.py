@@ -7,15 +7,14 @@ import pytest
 
 from llmserve.engine.core import EngineCore
 from llmserve.engine.isolation import isolate_failures
-from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.kv.kv_cache_manager import KVCacheManager
+from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.protocol import RequestFailedError
 from llmserve.sampling_params import SamplingParams
-
-from .conftest import BLOCK, Clock
-from .fake_runner import CharTokenizer, FakeRunner
+from tests.engine.conftest import BLOCK, Clock
+from tests.engine.fake_runner import CharTokenizer, FakeRunner
 
 POISON = 7  # a prompt holding this token makes every batch it is in raise
 

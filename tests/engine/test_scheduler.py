@@ -7,8 +7,7 @@ import pytest
 
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
-
-from .conftest import BLOCK, make_core
+from tests.engine.conftest import make_core
 
 
 def req(rid, n_prompt, max_tokens=8, priority=1, arrival=1000.0, start_tok=20, salt=None):
@@ -156,7 +155,7 @@ def test_randomized_invariants_with_arrivals_aborts_and_tiny_pool(seed):
                      max_num_seqs=rng.choice([2, 4, 8]), caching=rng.random() < 0.7)
     live = set()
     n = 0
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3 and n < 60:
             rid = f"r{n}"
             n += 1

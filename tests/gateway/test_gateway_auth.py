@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.gateway.auth import Authenticator
-from llmserve.gateway.config import GatewayConfig, hash_api_key
+from llmserve.gateway.config.gateway_config import GatewayConfig, hash_api_key
 from llmserve.gateway.errors import (
     AuthenticationError,
     ContextLengthExceeded,

@@ -22,8 +22,7 @@ from typing import Any, Iterator, Optional
 import httpx
 import pytest
 
-from tests.gateway.gateway_server_helpers import (ServerProcess, auth, build_tiny_model,
-                                                  ledger_rows, write_config)
+from tests.gateway.gateway_server_helpers import ServerProcess, auth, build_tiny_model, ledger_rows, write_config
 from tests.server.server_helpers import assert_openai_error, wait_until
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,9 @@ import argparse
 import csv
 import io
 
+from llmserve.gateway.billing.ledger import BillingLedger, UsageRecord, parse_since
 from llmserve.gateway.cli_commands import add_admin_commands
-from llmserve.gateway.config import GatewayConfig, hash_api_key
-from llmserve.gateway.ledger import BillingLedger, UsageRecord, parse_since
+from llmserve.gateway.config.gateway_config import GatewayConfig, hash_api_key
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -22,13 +22,14 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 import llmserve.gateway as gateway
-for info in pkgutil.iter_modules(gateway.__path__):
-    __import__("llmserve.gateway." + info.name)
+names = [info.name for info in pkgutil.walk_packages(gateway.__path__, "llmserve.gateway.")]
+for name in names:
+    __import__(name)
 config = gateway.GatewayConfig.open_default()
 tenant = gateway.Authenticator(config).authenticate(None)
 gateway.TenantRateLimiter().reserve(tenant, 10)
 assert not any(m == "torch" or m.startswith(("torch.", "llmserve.model")) for m in sys.modules)
-print("ok", len(list(pkgutil.iter_modules(gateway.__path__))))
+print("ok", len(names))
 """
 
 
@@ -37,7 +38,7 @@ def test_gateway_imports_with_torch_blocked():
     result = subprocess.run([sys.executable, "-c", BLOCKER % {"forbidden": FORBIDDEN}],
                             capture_output=True, text=True, timeout=60, env={"PYTHONPATH": src})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok ") and int(result.stdout.split()[1]) >= 8
+    assert result.stdout.startswith("ok ") and int(result.stdout.split()[1]) >= 30
 
 
 def test_no_gateway_module_imports_torch_even_lazily():

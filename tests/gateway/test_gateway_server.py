@@ -13,7 +13,6 @@ import json
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from llmserve.gateway.billing import write_outcome
-from llmserve.gateway.config import GatewayConfig, hash_api_key
+from llmserve.contract.gateway_hook import CapturedResponse
+from llmserve.gateway.billing.idempotency import BeginOutcome, IdempotencyStore, hash_request_body
+from llmserve.gateway.billing.ledger import BillingLedger, UsageRecord, csv_safe
+from llmserve.gateway.billing.usage import write_outcome
+from llmserve.gateway.config.gateway_config import GatewayConfig, hash_api_key
 from llmserve.gateway.errors import IdempotencyConflict
 from llmserve.gateway.hook import TenantGateway
-from llmserve.gateway.idempotency import BeginOutcome, IdempotencyStore, hash_request_body
-from llmserve.gateway.ledger import BillingLedger, UsageRecord, csv_safe
 from llmserve.gateway.process_identity import ProcessIdentity, current_process
-from llmserve.server.gateway_hook import CapturedResponse
 from tests.server.server_fakes import FakeEngine
 
 H = hash_request_body({"prompt": "hi"}, "completions")

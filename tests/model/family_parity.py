@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from llmserve import LLM, SamplingParams
-
-from .tiny_checkpoints import make_tiny_checkpoint
+from llmserve.model.executor.capture import LogitsCapture
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 ATOL, RTOL = 2e-4, 1e-4
 
@@ -24,8 +24,8 @@ class StepRecorder:
 
     def __init__(self, llm: LLM, all_logits: bool = False) -> None:
         self.runner = llm.engine.runner
-        self.runner.capture_logits = True
-        self.runner.capture_all_logits = all_logits
+        self.runner.capture = LogitsCapture.SAMPLED | (LogitsCapture.ALL if all_logits
+                                                       else LogitsCapture.NONE)
         self.steps: list = []
         inner = self.runner.execute
 

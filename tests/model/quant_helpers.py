@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from llmserve.model.gguf_loader import RawGGUFTensor
+from llmserve.model.loading.gguf import RawGGUFTensor
 
 Q = GGMLQuantizationType
 #: Byte offsets of the float16 super-scales in each K-quant block.

@@ -13,8 +13,8 @@ from llmserve import LLM, SamplingParams
 from llmserve.model.attention.backend import make_backend
 from llmserve.model.attention.paged import paged_decode_inplace, paged_verify_inplace
 from llmserve.model.attention.reference import decode_group_attention
-
-from .tiny_checkpoints import make_tiny_checkpoint
+from llmserve.model.executor.capture import LogitsCapture
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 # long and short contexts in one batch; 90 tokens cross several 16-token blocks
 PROMPTS = [list(range(100, 190)), [5, 17, 300], list(range(400, 437)), [11, 12, 13, 14, 15]]
@@ -32,7 +32,7 @@ def _run(path: str, backend: str, **kw):
     llm = LLM(path, dtype="float32", num_kv_blocks=128, attention_backend=backend,
               check_invariants=True, **kw)
     runner = llm.engine.runner
-    runner.capture_logits = True
+    runner.capture = LogitsCapture.SAMPLED
     steps = []
     inner = runner.execute
     runner.execute = lambda step: steps.append(inner(step)) or steps[-1]

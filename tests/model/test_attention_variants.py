@@ -13,9 +13,8 @@ from llmserve import LLM, SamplingParams
 from llmserve.model.attention.backend import StepBatch, make_backend
 from llmserve.model.attention.paged import paged_decode_inplace
 from llmserve.model.attention.reference import decode_group_attention
-
-from .family_parity import ATOL, RTOL, StepRecorder
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.family_parity import ATOL, RTOL, StepRecorder
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 BS, D = 16, 32
 

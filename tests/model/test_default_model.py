@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.model.executor.capture import LogitsCapture
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +26,7 @@ def test_capital_of_france(llm):
 
 
 def test_logits_match_transformers_on_same_dequantized_weights(llm):
-    from llmserve.model.loader import load_checkpoint
+    from llmserve.model.loading.loader import load_checkpoint
 
     ckpt = load_checkpoint(llm.engine.model_path)
     mc = ckpt.config
@@ -37,7 +38,7 @@ def test_logits_match_transformers_on_same_dequantized_weights(llm):
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     runner = llm.engine.runner
-    runner.capture_all_logits = True
+    runner.capture = LogitsCapture.ALL
     inner = runner.execute
     captured = []
 
@@ -51,7 +52,7 @@ def test_logits_match_transformers_on_same_dequantized_weights(llm):
         out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))[0]
     finally:
         runner.execute = inner
-        runner.capture_all_logits = False
+        runner.capture = LogitsCapture.NONE
     ours = captured[0].all_logits[out.request_id]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()

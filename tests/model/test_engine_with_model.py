@@ -7,8 +7,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.async_llm import AsyncLLM
-
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 PROMPTS = [list(range(10 + 7 * i, 10 + 7 * i + 9 + 5 * i)) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -138,7 +137,7 @@ def test_stop_token_ids_min_tokens_and_logprobs(tiny_path):
 def test_bfloat16_runs_and_stays_close_to_fp32(tiny_path):
     import torch
 
-    from .test_parity import StepRecorder
+    from tests.model.test_parity import StepRecorder
 
     def last_logits(dtype):
         llm = LLM(tiny_path, num_kv_blocks=64, block_size=4, dtype=dtype)

@@ -11,8 +11,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.async_llm import AsyncLLM
 from llmserve.llm import merge_delta
 from llmserve.protocol import RequestFailedError, RequestOutput
-
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 PROMPTS = [list(range(10 + 7 * i, 10 + 7 * i + 9 + 5 * i)) for i in range(6)]
 SHARED = list(range(300, 340))   # 10 blocks of 4: a same-step prefix hit between two requests

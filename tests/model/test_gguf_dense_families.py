@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.model.loader import load_model_config
-
-from .family_parity import check_greedy, check_prefill, gguf_case
-from .test_parity_phi3 import LONGROPE, ORIGINAL
-from .tiny_gguf_families import make_tiny_dense_gguf
+from llmserve.model.loading.loader import load_model_config
+from tests.model.family_parity import check_greedy, check_prefill, gguf_case
+from tests.model.test_parity_phi3 import LONGROPE, ORIGINAL
+from tests.model.tiny_gguf_families import make_tiny_dense_gguf
 
 pytest.importorskip("transformers")
 

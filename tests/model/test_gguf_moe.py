@@ -8,12 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmserve.model.loader import load_model_config, open_checkpoint
-
-from .family_parity import check_greedy, check_prefill, gguf_case
-from .test_parity_moe import MIXTRAL, QWEN3_MOE
-from .tiny_checkpoints import make_tiny_checkpoint
-from .tiny_gguf_families import make_tiny_moe_gguf
+from llmserve.model.loading.loader import load_model_config, open_checkpoint
+from tests.model.family_parity import check_greedy, check_prefill, gguf_case
+from tests.model.test_parity_moe import MIXTRAL, QWEN3_MOE
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
+from tests.model.tiny_gguf_families import make_tiny_moe_gguf
 
 pytest.importorskip("transformers")
 
@@ -81,7 +80,7 @@ def test_quantized_moe_gguf_serves_with_packed_experts(q8_moe, caplog):
 
     path = q8_moe
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with caplog.at_level("WARNING", logger="llmserve.model.runner"):
+    with caplog.at_level("WARNING", logger="llmserve.model.executor.runner"):
         packed = LLM(path, dtype="bfloat16", num_kv_blocks=64, enforce_eager=False,
                      check_invariants=True)
     assert packed.engine.runner.compiled is None

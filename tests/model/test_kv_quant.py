@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.block_hash import extend_block_hashes, namespace_hash
+from llmserve.engine.kv.block_hash import extend_block_hashes, namespace_hash
 from llmserve.model.attention.backend import StepBatch, make_backend
 from llmserve.model.attention.paged import paged_decode_inplace
-from llmserve.model.kv_cache import kv_bytes_per_block
+from llmserve.model.executor.kv_cache import kv_bytes_per_block
 from llmserve.model.quant.kv import KV_QUANT_DTYPES, dequantize_kv, quantize_kv, store_kv
-
-from .test_parity import StepRecorder
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.test_parity import StepRecorder
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 DTYPES = [pytest.param(t, id=n) for n, t in KV_QUANT_DTYPES.items()]
 H, HKV, D, BS = 4, 2, 16, 4

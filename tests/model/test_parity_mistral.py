@@ -11,13 +11,19 @@ import pytest
 import torch
 
 from llmserve import SamplingParams
-from llmserve.model.loader import load_model_config
-
-from .family_parity import (
-    ATOL, RTOL, StepRecorder, check_batch_vs_alone, check_decode, check_greedy, check_prefill,
-    load_hf, make_llm,
+from llmserve.model.loading.loader import load_model_config
+from tests.model.family_parity import (
+    ATOL,
+    RTOL,
+    StepRecorder,
+    check_batch_vs_alone,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    load_hf,
+    make_llm,
 )
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 pytest.importorskip("transformers")
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.model.loader import load_model_config
-
-from .family_parity import (
-    check_batch_vs_alone, check_decode, check_greedy, check_prefill, load_hf,
+from llmserve.model.loading.loader import load_model_config
+from tests.model.family_parity import (
+    check_batch_vs_alone,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    load_hf,
 )
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 pytest.importorskip("transformers")
 

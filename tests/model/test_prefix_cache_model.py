@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-
-from .test_parity import StepRecorder
-from .tiny_checkpoints import make_tiny_checkpoint
+from tests.model.test_parity import StepRecorder
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 BS = 4
 SHARED = list(range(200, 200 + 3 * BS))  # 3 full blocks

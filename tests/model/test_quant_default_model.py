@@ -20,7 +20,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.eval.gate import run_gate, run_prompts
 from llmserve.eval.metrics import greedy_agreement
 from llmserve.eval.presets import PROMPTS
-from llmserve.model.gguf_loader import read_gguf
+from llmserve.model.loading.gguf import read_gguf
 from llmserve.model.quant.native_int4 import native_int4_a8_available
 from llmserve.model.quant.native_int8 import native_int8_a8_available
 

@@ -22,8 +22,7 @@ from llmserve.model.layers.linear import Linear
 from llmserve.model.quant import describe_quantization
 from llmserve.model.quant.kernels import Int4Weight, quantize_int4, quantize_int8
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
-
-from .quant_helpers import Q, gguf_blocks
+from tests.model.quant_helpers import Q, gguf_blocks
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]
 REQUANT = [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]

@@ -12,14 +12,14 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.config import ModelConfig
+from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.layers.linear import DenseLinearMethod, Linear
-from llmserve.model.loader import load_model_config, open_checkpoint
+from llmserve.model.loading.loader import load_model_config, open_checkpoint
 from llmserve.model.quant import select_linear_method
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
 from llmserve.model.quant.native_int4 import native_int4_a8_available
 from llmserve.model.quant.native_int8 import native_int8_a8_available
-
-from .tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
+from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_packed_gguf_logits_follow_dequantized(tiny_q4):
                     "dense": dict(quantization="none", dtype="float32")}.items():
         llm = engine(tiny_q4, **kw)
         runner = llm.engine.runner
-        runner.capture_all_logits = True
+        runner.capture = LogitsCapture.ALL
         inner, seen = runner.execute, []
         runner.execute = lambda step: seen.append(inner(step)) or seen[-1]
         out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
@@ -161,7 +161,7 @@ def test_model_config_type_is_unchanged():
 
 
 def test_stats_and_metrics_state_weight_and_kv_bytes(tiny_q4):
-    from llmserve.server.metrics import EngineStatsCollector
+    from llmserve.server.metrics.prometheus import EngineStatsCollector
 
     llm = engine(tiny_q4, quantization="auto", kv_cache_dtype="int8")
     stats = llm.engine.get_stats()

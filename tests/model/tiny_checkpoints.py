@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from llmserve.default_model import default_model_path
-from llmserve.tokenizer import Tokenizer
+from llmserve.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_VOCAB_SIZE = 49152
 BOS_ID, EOS_ID = 1, 2   # <|im_start|>, <|im_end|> in the default tokenizer
@@ -153,7 +153,7 @@ def _gguf_name(hf_name: str) -> str:
 
 def _add_default_tokenizer(writer) -> None:
     """Copy the default model's GGUF tokenizer (byte-level BPE) into ``writer``."""
-    from llmserve.model.gguf_loader import read_gguf
+    from llmserve.model.loading.gguf import read_gguf
 
     meta = read_gguf(default_model_path()).metadata
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])

@@ -14,8 +14,7 @@ import re
 
 import numpy as np
 
-from .tiny_checkpoints import (BOS_ID, EOS_ID, _add_default_tokenizer, add_decoder_hparams,
-                               llama_cpp_permute)
+from tests.model.tiny_checkpoints import BOS_ID, EOS_ID, _add_default_tokenizer, add_decoder_hparams, llama_cpp_permute
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _DENSE = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

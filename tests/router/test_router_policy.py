@@ -4,10 +4,8 @@ from __future__ import annotations
 import pytest
 
 from llmserve.protocol import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from llmserve.router.policy import (HashRing, ReplicaLoad, RoutingConfig, affinity_key,
-                                    choose_replica)
-from llmserve.router.wire import (output_from_dict, output_to_dict, params_from_dict,
-                                  params_to_dict, sum_stats)
+from llmserve.router.policy import HashRing, ReplicaLoad, RoutingConfig, affinity_key, choose_replica
+from llmserve.router.wire import output_from_dict, output_to_dict, params_from_dict, params_to_dict, sum_stats
 from llmserve.sampling_params import SamplingParams
 
 FP = "fp-test"

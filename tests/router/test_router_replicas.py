@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 

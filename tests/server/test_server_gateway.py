@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 
+from llmserve.contract.errors import OpenAIError
+from llmserve.contract.gateway_hook import Gateway, RequestContext, RequestOutcome
 from tests.server.conftest import LiveServer
-from llmserve.server.errors import OpenAIError
-from llmserve.server.gateway_hook import Gateway, RequestContext, RequestOutcome
 from tests.server.server_fakes import FakeEngine
 from tests.server.server_helpers import assert_openai_error, chat_body, wait_until
 

@@ -23,13 +23,13 @@ PROMPT = [5, 17, 300, 42, 9, 1000, 77]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.model.lora_helpers import make_adapter_set
+    from tests.lora.lora_helpers import make_adapter_set
 
     root = tmp_path_factory.mktemp("srv_lora")
     base, a, b = make_adapter_set(str(root))
     dora = str(root / "dora")
     shutil.copytree(b, dora)
-    from tests.model.lora_helpers import edit_config
+    from tests.lora.lora_helpers import edit_config
     edit_config(dora, use_dora=True)
     return base, a, b, dora
 
@@ -56,7 +56,7 @@ def test_adapters_are_served_model_names(engine, tiny, start_server):
     client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {"base", "a"}
-    assert getattr(cards["a"], "parent") == "base" and cards["a"].root == cards["base"].root
+    assert cards["a"].parent == "base" and cards["a"].root == cards["base"].root
     base_out, a_out = complete(client, "base"), complete(client, "a")
     assert a_out.model == "a" and base_out.model == "base"
     assert a_out.system_fingerprint != base_out.system_fingerprint

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from llmserve.cli import build_parser, server_limits_from_args
+from llmserve.contract.server_limits import ServerLimits
 from llmserve.server.fair_pool import FairThreadPool
-from llmserve.server.server_limits import ServerLimits
 from tests.server.conftest import LiveServer
 from tests.server.server_fakes import FakeEngine
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from llmserve.model.executor.capture import LogitsCapture
 from tests.server.conftest import LiveServer
 
 pytest.importorskip("llguidance")
@@ -222,7 +223,7 @@ def test_echo_prompt_logprobs_equal_the_engines_own_scoring(tiny_server):
                 logits.append(rows)
         return out
 
-    runner.capture_all_logits, runner.execute = True, capture
+    runner.capture, runner.execute = LogitsCapture.ALL, capture
     try:
         from llmserve.sampling_params import SamplingParams
 
@@ -233,7 +234,7 @@ def test_echo_prompt_logprobs_equal_the_engines_own_scoring(tiny_server):
 
         asyncio.run(score())
     finally:
-        runner.capture_all_logits, runner.execute = False, original
+        runner.capture, runner.execute = LogitsCapture.NONE, original
     full = torch.log_softmax(torch.cat(logits).float(), dim=-1)
     ref = full[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     assert got == pytest.approx(ref, abs=1e-4)
@@ -320,7 +321,7 @@ def test_required_tool_choice_and_tool_results_fed_back(tiny_server):
 
 
 def test_auto_tool_choice_parses_hermes_blocks():
-    from llmserve.server.tool_calls import ToolCallStreamer, check_tools, parse_tool_calls
+    from llmserve.server.protocol.tool_calls import ToolCallStreamer, check_tools, parse_tool_calls
 
     tools = check_tools([WEATHER, TIME])
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '

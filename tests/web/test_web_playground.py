@@ -11,8 +11,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
-from tests.web.browser import (console_errors, open_page, save_screenshot, server_status,
-                               wait_for)
+from tests.web.browser import console_errors, open_page, save_screenshot, server_status, wait_for
 from tests.web.conftest import TENANT_KEY
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ import httpx
 import yaml
 
 from llmserve.bench.compare import ServerProcess, ServerSpec
-from llmserve.gateway.config import hash_api_key
+from llmserve.gateway.config.gateway_config import hash_api_key
 
 KEY = "sk-bench-" + uuid.uuid4().hex
 

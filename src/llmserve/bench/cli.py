@@ -186,8 +186,7 @@ def bench_compare_command(args: argparse.Namespace) -> int:
 
 def kv_calc_command(args: argparse.Namespace) -> int:
     """Handler of ``kv-calc``."""
-    from llmserve.bench.kv_calc import (engine_pool_bytes_per_token, kv_report, load_config,
-                                        render_text)
+    from llmserve.bench.kv_calc import engine_pool_bytes_per_token, kv_report, load_config, render_text
 
     try:
         config, path, tensor_bytes = load_config(args.model)

@@ -38,9 +38,16 @@ import httpx
 
 from llmserve.bench import plots, report
 from llmserve.bench.compare_report import comparison_document, render_comparison
-from llmserve.bench.peers import (PeerSettings, PeerUnavailable, exported_model_dir,
-                                  find_llama_server, find_vllm_python, llama_server_command,
-                                  vllm_command, vllm_env)
+from llmserve.bench.peers import (
+    PeerSettings,
+    PeerUnavailable,
+    exported_model_dir,
+    find_llama_server,
+    find_vllm_python,
+    llama_server_command,
+    vllm_command,
+    vllm_env,
+)
 from llmserve.bench.runner import BenchOptions, execute_runs, results_document, write_outputs
 from llmserve.bench.workloads import RequestSpec
 
@@ -215,7 +222,7 @@ def vllm_model_dir(model: str) -> str:
         return model
     out = exported_model_dir(model, "bfloat16")
     if not (out / "config.json").is_file():
-        from llmserve.export_hf import export_hf
+        from llmserve.model.loading.export_hf import export_hf
 
         logger.info("exporting %s to %s for vLLM", model, out)
         export_hf(model, str(out), "bfloat16")

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Optional
 
 from llmserve.default_model import resolve_model_path
-from llmserve.tokenizer import Tokenizer
+from llmserve.tokenizer.tokenizer import Tokenizer
 
 #: (name, schema, a valid instance) -- the instance is what the mask walk follows.
 SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [

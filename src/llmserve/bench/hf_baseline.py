@@ -33,7 +33,7 @@ def load_transformers_model(model_path: str, dtype: str = "float32"):
     import torch
     import transformers
 
-    from llmserve.model.loader import load_checkpoint
+    from llmserve.model.loading.loader import load_checkpoint
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]

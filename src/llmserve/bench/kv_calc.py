@@ -17,7 +17,7 @@ shown for the model as it is and for its attention variants with the same query 
 
 Next to it, the engine's paged pool: each sequence holds whole blocks, so it occupies
 ceil(seq_len / block_size) * block_size token slots. The pool's bytes per token come from
-the engine's own ``llmserve.model.kv_cache.kv_bytes_per_block`` when ``measure_pool=True``
+the engine's own ``llmserve.model.executor.kv_cache.kv_bytes_per_block`` when ``measure_pool=True``
 (this imports torch, lazily; float32/bfloat16/float16/int8/fp8_e4m3 pools exist in the
 engine), otherwise from the formula above.
 
@@ -216,19 +216,19 @@ def load_config(model: Optional[str]) -> tuple[ModelConfig, str, Optional[int]]:
     """(config, resolved path, GGUF tensor bytes or None) for a path or ``default``.
 
     GGUF headers are read without torch; an HF folder goes through
-    ``llmserve.model.loader.load_model_config`` (which imports torch).
+    ``llmserve.model.loading.loader.load_model_config`` (which imports torch).
     """
     from llmserve.default_model import resolve_model_path
 
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
-        from llmserve.model.gguf_config import gguf_model_config
-        from llmserve.model.gguf_loader import read_gguf
+        from llmserve.model.loading.gguf import read_gguf
+        from llmserve.model.loading.gguf_config import gguf_model_config
 
         gguf_file = read_gguf(path)
         tensor_bytes = sum(t.nbytes for t in gguf_file.tensors.values())
         return gguf_model_config(gguf_file), path, tensor_bytes
-    from llmserve.model.loader import load_model_config
+    from llmserve.model.loading.loader import load_model_config
 
     return load_model_config(path), path, None
 
@@ -240,8 +240,7 @@ def engine_pool_bytes_per_token(config: ModelConfig, block_size: int, kv_dtype: 
         return None
     import torch
 
-    from llmserve.model.kv_cache import kv_bytes_per_block
-
+    from llmserve.model.executor.kv_cache import kv_bytes_per_block
     from llmserve.model.platform import resolve_kv_dtype
 
     torch_dtype = resolve_kv_dtype(kv_dtype, torch.float32)

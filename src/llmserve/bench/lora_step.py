@@ -18,7 +18,7 @@ import tempfile
 from typing import Callable
 
 from llmserve.bench.quant_step import step_stats, time_steps
-from llmserve.engine.lora_registry import CONFIG_FILE, SUPPORTED_TARGETS, WEIGHTS_FILE
+from llmserve.lora.registry import CONFIG_FILE, SUPPORTED_TARGETS, WEIGHTS_FILE
 
 VARIANTS = ("off", "on-base", "one-adapter", "mixed")
 
@@ -28,7 +28,7 @@ def write_random_adapter(folder: str, mc, rank: int, seed: int) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from llmserve.model.lora.weights import TARGET_SUBPATH
+    from llmserve.lora.weights import TARGET_SUBPATH
 
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     h, inter = mc.hidden_size, mc.intermediate_size

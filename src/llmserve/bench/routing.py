@@ -28,8 +28,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 import httpx
 

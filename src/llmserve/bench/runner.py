@@ -16,8 +16,7 @@ from typing import Optional, Sequence
 
 from llmserve.bench import plots, report, server_counters
 from llmserve.bench.loadgen import LoadResult, run_load
-from llmserve.bench.metrics import (DEFAULT_BUCKET_EDGES, compute_metrics,
-                                    concurrency_throughput_series)
+from llmserve.bench.metrics import DEFAULT_BUCKET_EDGES, compute_metrics, concurrency_throughput_series
 from llmserve.bench.workloads import RequestSpec, TextTokenizer, build_workload, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ BENCH_JSON_SCHEMA = {
 
 
 class TextTokenizer(Protocol):
-    """What the workloads need from a tokenizer (llmserve.tokenizer.Tokenizer fits)."""
+    """What the workloads need from a tokenizer (llmserve.tokenizer.tokenizer.Tokenizer fits)."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
@@ -125,14 +125,14 @@ class TokenizersFileTokenizer:
 def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
     """The tokenizer at ``path`` (None or ``"default"``: the default model's), with fallbacks.
 
-    Order: llmserve.tokenizer (HF folder or GGUF), then a tokenizer.json via ``tokenizers``,
+    Order: llmserve.tokenizer.tokenizer (HF folder or GGUF), then a tokenizer.json via ``tokenizers``,
     then :class:`WhitespaceTokenizer` (with a warning).
     """
     p = Path(path) if path and path != "default" else None
     if p is not None and p.is_file() and p.suffix == ".json":
         return TokenizersFileTokenizer(str(p))
     try:
-        from llmserve.tokenizer import Tokenizer  # type: ignore[import-not-found]
+        from llmserve.tokenizer.tokenizer import Tokenizer  # type: ignore[import-not-found]
 
         if p is None:
             from llmserve.default_model import default_model_path  # type: ignore[import-not-found]
@@ -140,7 +140,7 @@ def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
             p = Path(default_model_path())
         return Tokenizer.from_path(str(p))
     except ImportError as exc:
-        logger.debug("llmserve.tokenizer unavailable: %s", exc)
+        logger.debug("llmserve.tokenizer.tokenizer unavailable: %s", exc)
     if p is not None and p.is_dir() and (p / "tokenizer.json").is_file():
         return TokenizersFileTokenizer(str(p / "tokenizer.json"))
     logger.warning("no tokenizer available; counting whitespace words as tokens (approximate)")

@@ -16,21 +16,32 @@ from __future__ import annotations
 import logging
 from typing import Optional, Protocol
 
-from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.kv.kv_cache_manager import KVCacheManager
+from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.engine.spec_decode import SpeculativeDecoder
 from llmserve.engine.step_isolation import StepFailures, execute_isolated
 from llmserve.engine.step_types import SequenceSampling, StepInput, StepOutput
 from llmserve.protocol import CompletionOutput, EngineStats, FinishReason, RequestFailedError
+from llmserve.spec_decode.decoder import SpecState, SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    def execute(self, step: StepInput) -> StepOutput: ...
-    def release(self, request_id: str) -> None: ...
+    """What the core drives: the model executor (or a fake runner in tests)."""
+
+    #: resident weight bytes and KV bytes per token, reported in the engine's stats
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step: the sampled tokens of the sequences that sample."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget what is held for a finished request."""
+        ...
 
 
 def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
@@ -48,7 +59,8 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
         if nd:  # speculative drafts: verified at their positions, k + 1 samples
             tokens = tokens + req.spec_token_ids[:nd]
             probs = getattr(req.spec_state, "draft_probs", None)
-            sampling.draft_probs = None if probs is None else probs[:nd]
+            if sampling is not None:
+                sampling.draft_probs = None if probs is None else probs[:nd]
         step.add(req.request_id, tokens, s.start, kv.blocks_of(req.request_id),
                  1 + nd if s.samples else 0, sampling, req.lora)
         k = req.sampling_params.prompt_logprobs
@@ -77,7 +89,7 @@ class EngineCore:
                  check_invariants: bool = False,
                  spec: Optional[SpeculativeDecoder] = None) -> None:
         self.scheduler = scheduler
-        self.spec = spec   # speculative decoding (engine/spec_decode.py), or None
+        self.spec = spec   # speculative decoding (spec_decode/decoder.py), or None
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
         self.outputs = outputs
@@ -92,14 +104,14 @@ class EngineCore:
         if request.deadline is not None or request.queue_deadline is not None:
             self._timed[request.request_id] = request
 
-    def abort_request(self, request_id: str, reason: str = FinishReason.ABORT.value
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT
                       ) -> Optional[SequenceUpdate]:
         """End a sequence wherever it is; its KV is free when this returns."""
         request = self.scheduler.requests.get(request_id)
         self._timed.pop(request_id, None)
         if request is None:
             return None
-        if reason == FinishReason.ABORT.value:
+        if reason == FinishReason.ABORT:
             self.scheduler.abort_request(request_id)
         else:
             self.scheduler.finish_request(request, reason)
@@ -125,10 +137,10 @@ class EngineCore:
             if r.is_finished:
                 del self._timed[rid]
             elif r.deadline is not None and r.deadline <= now:
-                expired.append((r, FinishReason.TIMEOUT.value))
+                expired.append((r, FinishReason.TIMEOUT))
             elif (r.queue_deadline is not None and r.queue_deadline <= now
                   and r.metrics.first_scheduled_time is None):
-                expired.append((r, FinishReason.QUEUE_TIMEOUT.value))
+                expired.append((r, FinishReason.QUEUE_TIMEOUT))
         out = []
         for r, reason in expired:
             upd = self.abort_request(r.request_id, reason)
@@ -183,12 +195,13 @@ class EngineCore:
                     req, token, lps[j] if lps else None, tops[j] if tops else None)
             except Exception:  # noqa: BLE001 - one bad sequence must not stop the others
                 logger.exception("output processing failed for %s; aborting it", req.request_id)
-                return self.abort_request(req.request_id, FinishReason.ABORT.value)
+                return self.abort_request(req.request_id, FinishReason.ABORT)
             deltas.append(step_delta)
             if finish is not None:
-                if getattr(req.spec_state, "prediction", None) is not None:
-                    step_delta.accepted_prediction_tokens = req.spec_state.accepted_prediction
-                    step_delta.rejected_prediction_tokens = req.spec_state.rejected_prediction
+                spec = req.spec_state
+                if isinstance(spec, SpecState) and spec.prediction is not None:
+                    step_delta.accepted_prediction_tokens = spec.accepted_prediction
+                    step_delta.rejected_prediction_tokens = spec.rejected_prediction
                 self.scheduler.finish_request(req, finish, stop_reason)
                 self._forget(req.request_id)
                 break
@@ -218,7 +231,7 @@ class EngineCore:
             self.scheduler.requeue(s.request)
         updates = []
         for s, error in failures.failed:
-            upd = self.abort_request(s.request.request_id, FinishReason.ERROR.value)
+            upd = self.abort_request(s.request.request_id, FinishReason.ERROR)
             if upd is not None:
                 upd.error = error
                 updates.append(upd)
@@ -242,7 +255,7 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             num_steps=s.step_index,
             num_step_errors=self.num_step_errors,
-            weight_bytes=getattr(self.runner, "weight_bytes", 0),
-            kv_bytes_per_token=getattr(self.runner, "kv_bytes_per_token", 0),
+            weight_bytes=self.runner.weight_bytes,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
             **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )

@@ -5,8 +5,8 @@ import enum
 import time
 from typing import Optional
 
-from llmserve.engine.lora_registry import LoraRef, lora_cache_salt
-from llmserve.protocol import RequestMetrics
+from llmserve.lora.registry import LoraRef, lora_cache_salt
+from llmserve.protocol import FinishReason, RequestMetrics
 from llmserve.sampling_params import SamplingParams
 
 
@@ -76,7 +76,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1          # prompt tokens served by the prefix cache (-1: not yet looked up)
         self.status = RequestStatus.WAITING
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: "Optional[str | int]" = None
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.num_preemptions = 0
@@ -92,7 +92,7 @@ class Request:
         self.index = index
         # speculative decoding: draft tokens proposed for the next step (never part of
         # all_token_ids until the target model accepts them) and the per-request state of
-        # engine/spec_decode.py (None until the request speculates or brings a prediction)
+        # spec_decode/decoder.py (None until the request speculates or brings a prediction)
         self.spec_token_ids: list[int] = []
         self.spec_state: object = None
         #: (logprob, top) of prompt tokens 1.. (prompt_logprobs requests), filled by steps

@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine.lora_registry import AdapterStepBudget
+from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.lora.registry import AdapterStepBudget
+from llmserve.protocol import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +123,10 @@ class Scheduler:
         if request is None:
             return None
         self.num_aborted += 1
-        self.finish_request(request, "abort")
+        self.finish_request(request, FinishReason.ABORT)
         return request
 
-    def finish_request(self, request: Request, reason: str, stop_reason: "str | int | None" = None) -> None:
+    def finish_request(self, request: Request, reason: FinishReason, stop_reason: "str | int | None" = None) -> None:
         """Mark a request finished, drop it from its queue and free its blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from llmserve.engine.isolation import isolate_failures
 from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -86,7 +86,7 @@ def merge_outputs(results: list[Any]) -> Any:
     merged = MergedOutput()
     want_lp = any(r.logprobs is not None for r in results)
     want_top = any(r.top_logprobs is not None for r in results)
-    lps: list[Optional[float]] = []
+    lps: list[Any] = []
     tops: list[Any] = []
     for r in results:
         n = len(r.request_ids)

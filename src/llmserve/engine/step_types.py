@@ -102,6 +102,7 @@ class StepOutput:
     #: request id -> (first position scored, [(logprob, [(token, logprob) top-k])]), for
     #: the StepInput's prompt_logprob_targets
     prompt_logprobs: Optional[dict[str, tuple[int, list]]] = None
-    # tests only (runner capture switches): tensors, typed loosely to keep this module torch-free
+    # with the runner's LogitsCapture (the draft model, the quality eval, parity tests):
+    # tensors, typed loosely to keep this module torch-free
     logits: object = None
     all_logits: Optional[dict] = None

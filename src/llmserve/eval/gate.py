@@ -27,6 +27,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.eval import metrics
 from llmserve.eval.presets import PRESETS, PROMPTS, TEXT_PATH
+from llmserve.model.executor.capture import LogitsCapture
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def run_prompts(engine, prompts: list[list[int]], max_tokens: int, capture: bool
     from llmserve.sampling_params import SamplingParams
 
     runner = engine.runner
-    runner.capture_all_logits = capture
+    runner.capture = LogitsCapture.ALL if capture else LogitsCapture.NONE
     logits: dict[str, list[torch.Tensor]] = {}
     inner = runner.execute
 
@@ -85,7 +86,7 @@ def run_prompts(engine, prompts: list[list[int]], max_tokens: int, capture: bool
                     tokens.setdefault(out.request_id, []).extend(c.token_ids)
     finally:
         runner.execute = inner
-        runner.capture_all_logits = False
+        runner.capture = LogitsCapture.NONE
     rids = [f"eval-{i}" for i in range(len(prompts))]
     prompt_logits = [torch.cat(logits[r])[:len(p)] for r, p in zip(rids, prompts)] if capture \
         else []
@@ -147,7 +148,7 @@ def run_gate(model: Optional[str], configs: list[str], reference: str = "fp32",
     if window < 2 or max_tokens < 2:
         raise ValueError("window and max_tokens must be >= 2")
     from llmserve.default_model import resolve_model_path
-    from llmserve.tokenizer import Tokenizer
+    from llmserve.tokenizer.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
     tokenizer = Tokenizer.from_path(path)

@@ -35,7 +35,7 @@ def mean_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> float:
     return float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
 
 
-def greedy_agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> float:
+def greedy_agreement(reference: Sequence[Sequence[object]], other: Sequence[Sequence[object]]) -> float:
     """Mean over prompts of (tokens equal before the first difference) / reference length."""
     if len(reference) != len(other) or not reference:
         raise ValueError("need the same, non-zero number of continuations")

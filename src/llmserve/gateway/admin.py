@@ -1,6 +1,6 @@
 """The gateway's extra endpoints: prompt bundles (tenant key or admin key) and cache
 operations (admin key only). Served by the HTTP app through ``http_routes()``
-(:class:`~llmserve.server.gateway_hook.ExtraRoute`); no HTTP framework here.
+(:class:`~llmserve.contract.gateway_hook.ExtraRoute`); no HTTP framework here.
 
     POST   /v1/prompt_bundles                 {"name", "messages", "tools"?} -> a new version
     GET    /v1/prompt_bundles                 the caller's bundles and the shared ones
@@ -19,13 +19,19 @@ import asyncio
 import json
 from typing import Any, Optional
 
+from llmserve.contract.engine_client import PrefixCacheAdmin
+from llmserve.contract.gateway_hook import ExtraRoute, HTTPCall
 from llmserve.gateway.auth import Authenticator, match_key_hash, parse_bearer
-from llmserve.gateway.cache_hooks import GatewayCaches, tenant_owner
-from llmserve.gateway.config import GatewayConfig, TenantConfig
-from llmserve.gateway.errors import (AuthenticationError, GatewayError, InvalidRequest,
-                                     PermissionDeniedError, to_openai_error)
-from llmserve.gateway.prompt_bundles import SHARED, BundleNotFound, parse_bundle_body, parse_ref
-from llmserve.server.gateway_hook import ExtraRoute, HTTPCall
+from llmserve.gateway.caches.hooks import GatewayCaches, tenant_owner
+from llmserve.gateway.caches.prompt_bundles import SHARED, BundleNotFound, parse_bundle_body, parse_ref
+from llmserve.gateway.config.gateway_config import GatewayConfig, TenantConfig
+from llmserve.gateway.errors import (
+    AuthenticationError,
+    GatewayError,
+    InvalidRequest,
+    PermissionDeniedError,
+    to_openai_error,
+)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -165,9 +171,8 @@ class AdminAPI:
             namespace = body["namespace"]
         dropped: dict[str, int] = {}
         for name, engine in self._engines().items():
-            flush = getattr(engine, "flush_prefix_cache", None)
-            if callable(flush):
-                dropped[name] = await flush(namespace, with_children=children)
+            if isinstance(engine, PrefixCacheAdmin):
+                dropped[name] = await engine.flush_prefix_cache(namespace, with_children=children)
         responses = 0
         cache = self.caches.response_cache
         if body.get("response_cache") and cache is not None:
@@ -179,11 +184,10 @@ class AdminAPI:
         """Per engine: blocks used / cached / pinned; per tenant: prefix hit rate (its
         namespace and its bundles'), pinned blocks and budget; per bundle: hit rate."""
         self._require_admin(call)
-        engines: dict[str, Any] = {}
+        engines: dict[str, dict[str, Any]] = {}
         for name, engine in self._engines().items():
-            get = getattr(engine, "cache_stats", None)
-            if callable(get):
-                engines[name] = await get()
+            if isinstance(engine, PrefixCacheAdmin):
+                engines[name] = await engine.cache_stats()
         tenants = {}
         for tenant in self.config.tenants.values():
             salt, queried, hit = tenant.cache_salt, 0, 0

@@ -12,7 +12,7 @@ import hmac
 import logging
 from typing import Optional, Sequence, TypeVar
 
-from llmserve.gateway.config import GatewayConfig, TenantConfig, hash_api_key
+from llmserve.gateway.config.gateway_config import GatewayConfig, TenantConfig, hash_api_key
 from llmserve.gateway.errors import AuthenticationError, PermissionDeniedError
 
 logger = logging.getLogger(__name__)

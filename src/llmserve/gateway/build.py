@@ -9,17 +9,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
-from llmserve.gateway.config import GatewayConfig
+from llmserve.contract.engine_client import EngineClient
+from llmserve.gateway.billing.idempotency import IdempotencyStore
+from llmserve.gateway.billing.ledger import BillingLedger
+from llmserve.gateway.caches.prompt_bundles import BundleRegistry
+from llmserve.gateway.caches.response_cache import ResponseCache
+from llmserve.gateway.config.gateway_config import GatewayConfig
 from llmserve.gateway.hook import TenantGateway
-from llmserve.gateway.idempotency import IdempotencyStore
-from llmserve.gateway.ledger import BillingLedger
-from llmserve.gateway.prompt_bundles import BundleRegistry
-from llmserve.gateway.response_cache import ResponseCache
 
 logger = logging.getLogger(__name__)
 
 
-def build_gateway(config_path: str, engine: Any, *, fallback_engines: Optional[Mapping[str, Any]] = None,
+def build_gateway(config_path: str, engine: EngineClient, *, fallback_engines: Optional[Mapping[str, EngineClient]] = None,
                   served_model_names: Optional[Sequence[str]] = None) -> TenantGateway:
     """Load the gateway config and build the gateway for these engines.
 

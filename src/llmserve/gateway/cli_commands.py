@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from llmserve.gateway.config import GatewayConfig, generate_api_key, hash_api_key
-from llmserve.gateway.ledger import BillingLedger, csv_safe, parse_since
+from llmserve.gateway.billing.ledger import BillingLedger, csv_safe, parse_since
+from llmserve.gateway.config.gateway_config import GatewayConfig, generate_api_key, hash_api_key
 
 
 def add_admin_commands(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -60,22 +60,24 @@ def run_keys_hash(args: argparse.Namespace, out: IO[str] = sys.stdout, stdin: IO
     return 0
 
 
-def run_keys_generate(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
+def run_keys_generate(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     """``llmserve keys generate``: print ``key: ...`` and ``hash: ...`` lines."""
+    out = out if out is not None else sys.stdout   # read at call time (tests capture it)
     key = generate_api_key()
     out.write(f"key:  {key}\nhash: {hash_api_key(key)}\n")
     return 0
 
 
-def run_billing_export(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
+def run_billing_export(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     """``llmserve billing export``: CSV of the ledger's records; exit status 2 on bad input."""
+    out = out if out is not None else sys.stdout   # read at call time (tests capture it)
     database: Optional[str] = args.database
     try:
         if args.config:
             database = GatewayConfig.load(args.config).database
             if database is None:
                 raise ValueError(f"{args.config}: no `database` configured")
-        if not Path(database).is_file():
+        if database is None or not Path(database).is_file():
             raise ValueError(f"{database}: no such ledger database")
         since, until = parse_since(args.since), parse_since(args.until)
     except (OSError, ValueError) as e:

@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 if TYPE_CHECKING:
-    from llmserve.server.errors import OpenAIError
+    from llmserve.contract.errors import OpenAIError
 
 
 def retry_after_seconds(seconds: float) -> int:
@@ -165,7 +165,7 @@ class IdempotencyMismatch(GatewayError):
 
 def to_openai_error(err: GatewayError) -> "OpenAIError":
     """The server's error for a gateway error: same status, body fields and headers."""
-    from llmserve.server.errors import OpenAIError
+    from llmserve.contract.errors import OpenAIError
 
     return OpenAIError(err.status, err.message, param=err.param, code=err.code, type=err.type,
                        headers=err.headers())

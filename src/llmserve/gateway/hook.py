@@ -1,7 +1,7 @@
 """The gateway in the HTTP request path: :class:`TenantGateway`.
 
 ``TenantGateway`` implements the server's hook protocol
-(:mod:`llmserve.server.gateway_hook`) with the gateway's building blocks:
+(:mod:`llmserve.contract.gateway_hook`) with the gateway's building blocks:
 
 * ``authenticate``: ``Authorization: Bearer KEY`` -> tenant (401); the tenant's
   prefix-cache salt and priority class go on the request context;
@@ -37,36 +37,46 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
+from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.gateway_hook import (
+    ExtraRoute,
+    Gateway,
+    OutcomeStatus,
+    RequestContext,
+    RequestOutcome,
+)
+from llmserve.contract.server_limits import PARSE_INLINE_BYTES
 from llmserve.gateway.admin import AdminAPI
-from llmserve.gateway.admission import QueueTicket, parse_request_timeout
-from llmserve.gateway.cache_hooks import GatewayCaches, RequestCaches
-from llmserve.gateway.cache_metrics import CacheMetricsCollector
+from llmserve.gateway.admission.controller import QueueTicket, parse_request_timeout
+from llmserve.gateway.admission.kv import KVCommitment
+from llmserve.gateway.admission.ratelimit import Reservation, TenantRateLimiter, estimate_tokens_from_bytes
 from llmserve.gateway.auth import Authenticator
-from llmserve.gateway.billing import CLIENT_CLOSED_STATUS, usage_record, write_outcome
-from llmserve.gateway.config import GatewayConfig, TenantConfig
+from llmserve.gateway.billing.idempotency import (
+    BeginOutcome,
+    IdempotencyStore,
+    PeriodicTask,
+    hash_request_body,
+    validate_idempotency_key,
+)
+from llmserve.gateway.billing.ledger import BillingLedger
+from llmserve.gateway.billing.request_log import log_request_summary
+from llmserve.gateway.billing.usage import CLIENT_CLOSED_STATUS, usage_record, write_outcome
+from llmserve.gateway.caches.hooks import GatewayCaches, RequestCaches
+from llmserve.gateway.caches.metrics import CacheMetricsCollector
+from llmserve.gateway.caches.prompt_bundles import BundleRegistry
+from llmserve.gateway.caches.response_cache import CACHE_HEADER, ResponseCache
+from llmserve.gateway.caches.response_store import CachedResponse
+from llmserve.gateway.config.gateway_config import GatewayConfig, TenantConfig
 from llmserve.gateway.errors import GatewayError, InvalidRequest, to_openai_error
-from llmserve.gateway.idempotency import (BeginOutcome, IdempotencyStore, PeriodicTask,
-                                          hash_request_body, validate_idempotency_key)
-from llmserve.gateway.kv_admission import KVCommitment
-from llmserve.gateway.ledger import BillingLedger
-from llmserve.gateway.prompt_bundles import BundleRegistry
-from llmserve.gateway.response_cache import CACHE_HEADER, ResponseCache
-from llmserve.gateway.response_store import CachedResponse
-from llmserve.gateway.ratelimit import Reservation, TenantRateLimiter, estimate_tokens_from_bytes
-from llmserve.gateway.release_admin import ReleaseAdminAPI
-from llmserve.gateway.release_metrics import ReleaseMetricsCollector
-from llmserve.gateway.release_routing import ReleaseRouting, RequestRelease
+from llmserve.gateway.releases.admin import ReleaseAdminAPI
+from llmserve.gateway.releases.metrics import ReleaseMetricsCollector
+from llmserve.gateway.releases.routing import ReleaseRouting, RequestRelease
 from llmserve.gateway.routing import ModelRouter
-from llmserve.gateway.request_log import log_request_summary
 from llmserve.protocol import priority_value
-from llmserve.server.server_limits import PARSE_INLINE_BYTES
-from llmserve.server.gateway_hook import (CapturedResponse, ExtraRoute, RequestContext,
-                                          RequestOutcome)
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("llmserve.requests")
 
-_STATE = "gateway"
 #: How often expired idempotency records are purged (seconds).
 PURGE_INTERVAL_S = 60.0
 
@@ -94,7 +104,7 @@ def _as_openai() -> Iterator[None]:
 
 @dataclass
 class _RequestState:
-    """What the gateway holds for one request (in ``ctx.extra["gateway"]``)."""
+    """What the gateway holds for one request (``ctx.gateway_state``)."""
 
     tenant: TenantConfig
     timeout_s: Optional[float] = None
@@ -118,7 +128,21 @@ class _RequestState:
             self.kv.release()
 
 
-class TenantGateway:
+
+def _state_or_none(ctx: RequestContext) -> Optional[_RequestState]:
+    """This gateway's state of ``ctx`` (None before ``authenticate`` set it)."""
+    st = ctx.gateway_state
+    return st if isinstance(st, _RequestState) else None
+
+
+def _state_of(ctx: RequestContext) -> _RequestState:
+    """This gateway's state of an authenticated ``ctx``."""
+    st = _state_or_none(ctx)
+    if st is None:
+        raise RuntimeError(f"request {ctx.request_id}: no gateway state (authenticate did not run)")
+    return st
+
+class TenantGateway(Gateway):
     """The multi-tenant gateway as a server hook (see the module docstring).
 
     Args:
@@ -176,11 +200,11 @@ class TenantGateway:
         ctx.tenant = tenant.name
         ctx.cache_salt = tenant.cache_salt
         ctx.priority = tenant.priority
-        ctx.extra[_STATE] = _RequestState(tenant)
+        ctx.gateway_state = _RequestState(tenant)
 
     async def preadmit(self, ctx: RequestContext) -> None:
         """Before parsing: concurrency cap, one request and the size's token estimate (429)."""
-        st: _RequestState = ctx.extra[_STATE]
+        st = _state_of(ctx)
         with _as_openai():
             st.reservation = self.limiter.reserve(st.tenant,
                                                   estimate_tokens_from_bytes(ctx.body_bytes))
@@ -188,7 +212,7 @@ class TenantGateway:
     async def prepare(self, ctx: RequestContext) -> None:
         """403 for a model the tenant may not use; 400 for a bad header; prompt bundle;
         idempotency (a replay wins), then the response cache (a hit is replayed)."""
-        st: _RequestState = ctx.extra[_STATE]
+        st = _state_of(ctx)
         with _as_openai():
             self.auth.check_model(st.tenant, ctx.model or "")
             st.rel = await self.releases.prepare(ctx, st.tenant.name)
@@ -205,8 +229,7 @@ class TenantGateway:
                 result = await asyncio.to_thread(self._begin, st.tenant.name, key, ctx, body)
         if result is not None and result.outcome is BeginOutcome.REPLAY and result.response is not None:
             stored = result.response
-            ctx.replay = CapturedResponse(stored.status, dict(stored.headers), body=stored.body,
-                                          events=stored.events, request_id=stored.request_id)
+            ctx.replay = stored   # replay_kind "idempotency": sent with Idempotent-Replayed
             if st.reservation is not None:  # a replay costs a request, no tokens
                 self.limiter.settle(st.reservation, 0)
             self._log(ctx, st, status=stored.status, idempotency_key=key, replayed=True,
@@ -235,7 +258,7 @@ class TenantGateway:
                                 key=st.idem_key, run_id=st.idem_run_id,
                                 request_id=st.idem_request_id,
                                 response=response if st.idem_key is not None else None)
-        self._log(ctx, st, status=hit.status, cache="hit", idempotency_key=st.idem_key,
+        self._log(ctx, st, status=hit.response.status, cache="hit", idempotency_key=st.idem_key,
                   served_model=hit.served_model, prompt_tokens=hit.prompt_tokens,
                   completion_tokens=hit.completion_tokens)
 
@@ -246,7 +269,7 @@ class TenantGateway:
 
     async def admit(self, ctx: RequestContext) -> None:
         """400 / 429 / 503 or admitted: picks the model, deadlines and priority."""
-        st: _RequestState = ctx.extra[_STATE]
+        st = _state_of(ctx)
         with _as_openai():
             primary = self.router.get(ctx.served_model or ctx.model)
             if primary is None:  # the server passes served names only
@@ -273,7 +296,7 @@ class TenantGateway:
 
     def on_started(self, ctx: RequestContext) -> None:
         """The engine scheduled the request: it leaves the waiting queue."""
-        st: Optional[_RequestState] = ctx.extra.get(_STATE)
+        st = _state_or_none(ctx)
         if st is None:
             return
         st.first_output_at = time.time()
@@ -282,7 +305,7 @@ class TenantGateway:
 
     async def on_complete(self, ctx: RequestContext, outcome: RequestOutcome) -> None:
         """Settle, bill once, complete or release the idempotency record, log."""
-        st: Optional[_RequestState] = ctx.extra.get(_STATE)
+        st = _state_or_none(ctx)
         if st is None:
             return
         reasons = [r for r in outcome.finish_reasons if r is not None]
@@ -297,7 +320,7 @@ class TenantGateway:
                                 + usage.completion_tokens)
         response = outcome.response
         keep = (st.idem_key is not None and response is not None and response.status == 200
-                and outcome.status in ("completed", "aborted"))
+                and outcome.status in (OutcomeStatus.COMPLETED, OutcomeStatus.ABORTED))
         record = usage_record(ctx, outcome, tenant=st.tenant.name, served_model=st.served_model,
                               idempotency_key=st.idem_key if keep else None,
                               idempotency_run=st.idem_run_id if keep else None,
@@ -324,7 +347,7 @@ class TenantGateway:
     async def on_reject(self, ctx: RequestContext, error: BaseException) -> None:
         """Release the queue place, the KV commitment, the rate-limit reservation (charging
         the prompt tokens already tokenized) and the idempotency claim."""
-        st: Optional[_RequestState] = ctx.extra.get(_STATE)
+        st = _state_or_none(ctx)
         if st is None:
             return
         st.release()
@@ -391,7 +414,7 @@ class TenantGateway:
                 db.close()
 
 
-def build_gateway(config_path: str, engine: Any, **kwargs: Any) -> TenantGateway:
+def build_gateway(config_path: str, engine: EngineClient, **kwargs: Any) -> TenantGateway:
     """Load the gateway config and build the gateway (:func:`llmserve.gateway.build.build_gateway`)."""
     from llmserve.gateway.build import build_gateway as build
 

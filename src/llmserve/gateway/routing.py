@@ -1,8 +1,8 @@
 """Which served model takes an admitted request, and what it reserves there.
 
 :class:`ModelRouter` holds, per served model name, its engine, its waiting queue
-(:class:`~llmserve.gateway.admission.AdmissionController`) and its live-KV gate
-(:class:`~llmserve.gateway.kv_admission.KVAdmission`); names that share an engine
+(:class:`~llmserve.gateway.admission.controller.AdmissionController`) and its live-KV gate
+(:class:`~llmserve.gateway.admission.kv.KVAdmission`); names that share an engine
 share both. :meth:`ModelRouter.enter` commits the request's KV blocks and takes a
 queue place on the requested model or, when that one is overloaded (queue full or KV
 pressure) and the tenant may use it, on the configured fallback model.
@@ -15,12 +15,13 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from llmserve.gateway.admission import AdmissionController, QueueTicket
+from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.gateway_hook import RequestContext
+from llmserve.gateway.admission.controller import AdmissionController, QueueTicket
+from llmserve.gateway.admission.kv import KVAdmission, KVCommitment, blocks_needed, kv_admission_for
 from llmserve.gateway.auth import Authenticator
-from llmserve.gateway.config import GatewayConfig, TenantConfig
+from llmserve.gateway.config.gateway_config import GatewayConfig, TenantConfig
 from llmserve.gateway.errors import GatewayError, OverloadedError
-from llmserve.gateway.kv_admission import KVAdmission, KVCommitment, blocks_needed, kv_admission_for
-from llmserve.server.gateway_hook import RequestContext
 
 
 @dataclass
@@ -28,7 +29,7 @@ class ServedModel:
     """One served model name: its engine, its queue and its live-KV gate."""
 
     name: str
-    engine: Any
+    engine: EngineClient
     admission: AdmissionController
     kv: Optional[KVAdmission] = None
 
@@ -65,7 +66,7 @@ class ModelRouter:
                     kv_admission_for(engine, config.queue.kv_watermark, config.queue.timeout_s))
             self.models[name] = ServedModel(name, engine, *by_engine[id(engine)])
 
-    def add_alias(self, name: str, engine: Any, like: str) -> None:
+    def add_alias(self, name: str, engine: EngineClient, like: str) -> None:
         """Serve ``name`` (a LoRA adapter on ``like``'s engine) through ``like``'s queue
         and KV gate: they share one engine, so they share its capacity."""
         base = self.models.get(like)

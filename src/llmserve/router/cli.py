@@ -130,7 +130,7 @@ def cmd_engine(args: argparse.Namespace, config_from_args: Callable) -> int:
     from llmserve.router.engine_service import create_engine_app
 
     if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
-        from llmserve.model.parallel.workers import run_worker_from_env
+        from llmserve.model.distributed.workers import run_worker_from_env
 
         run_worker_from_env(config_from_args(args))   # a torchrun rank > 0: no HTTP
         return 0

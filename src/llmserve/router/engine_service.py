@@ -24,8 +24,15 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from llmserve.router.wire import (WIRE_VERSION, encode_line, error_to_dict, output_to_dict,
-                                  params_from_dict, stats_to_dict, tokenizer_to_dict)
+from llmserve.router.wire import (
+    WIRE_VERSION,
+    encode_line,
+    error_to_dict,
+    output_to_dict,
+    params_from_dict,
+    stats_to_dict,
+    tokenizer_to_dict,
+)
 
 logger = logging.getLogger(__name__)
 

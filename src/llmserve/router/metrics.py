@@ -29,7 +29,7 @@ class RouterCollector(Collector):
         self._set = replica_set
 
     def collect(self) -> Iterator[Any]:
-        from llmserve.server.metrics import EngineStatsCollector
+        from llmserve.server.metrics.prometheus import EngineStatsCollector
 
         decisions = CounterMetricFamily("llmserve_router_decisions",
                                         "Requests routed to a replica, by decision",

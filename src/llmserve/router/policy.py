@@ -3,7 +3,7 @@
 Pure functions and small classes, no I/O, so the rules are testable on their own:
 
 * The **affinity key** of a prompt is the prefix cache's own chained hash
-  (``engine/block_hash.py``) of its first ``affinity_blocks`` full blocks, rooted in the
+  (``engine/kv/block_hash.py``) of its first ``affinity_blocks`` full blocks, rooted in the
   engine fingerprint and the tenant's cache salt. Two prompts share a key exactly when
   they share those tokens in the same namespace, i.e. when the engine could reuse the
   cached blocks. A prompt shorter than one block hashes its whole token list instead.
@@ -23,7 +23,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from llmserve.engine.block_hash import hash_block_tokens, namespace_hash
+from llmserve.engine.kv.block_hash import hash_block_tokens, namespace_hash
 
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, Callable, Optional
 
 import httpx
 
 from llmserve.protocol import EngineStats, RequestFailedError, RequestOutput
-from llmserve.router.wire import (WIRE_VERSION, output_from_dict, params_to_dict,
-                                  stats_from_dict, tokenizer_from_dict)
+from llmserve.router.wire import WIRE_VERSION, output_from_dict, params_to_dict, stats_from_dict, tokenizer_from_dict
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class ReplicaClient:
                        cache_salt: Optional[str] = None, deadline: Optional[float] = None,
                        queue_deadline: Optional[float] = None,
                        prediction: Optional[str] = None,
-                       check_every_s: float = 0.5) -> AsyncIterator[RequestOutput]:
+                       check_every_s: float = 0.5) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's increments; ``is_healthy`` is checked while the stream is
         quiet, so a replica ejected by the health checker fails its streams at once."""
         body = {"request_id": request_id, "prompt": list(prompt),

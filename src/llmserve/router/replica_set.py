@@ -43,6 +43,10 @@ class Replica:
     retries_from: int = 0
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DECISIONS, 0))
 
+    def is_admitted(self) -> bool:
+        """Whether the replica takes new requests now (read at each retry decision)."""
+        return self.admitted
+
     def load(self) -> ReplicaLoad:
         total = self.stats.kv_blocks_total
         return ReplicaLoad(self.name, self.outstanding_tokens, self.stats.num_waiting,

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 def _unavailable(message: str) -> Exception:
     """A 503 for the client: no replica could start the request (nothing was streamed)."""
-    from llmserve.server.errors import OpenAIError
+    from llmserve.contract.errors import OpenAIError
 
     return OpenAIError(503, message, code="engine_unavailable", headers={"Retry-After": "1"})
 
@@ -126,7 +126,7 @@ class RouterEngine:
             stream = replica.client.generate(
                 prompt, params, request_id, priority=priority, cache_salt=cache_salt,
                 deadline=deadline, queue_deadline=queue_deadline, prediction=prediction,
-                is_healthy=lambda r=replica: r.admitted)
+                is_healthy=replica.is_admitted)
             try:
                 async for out in stream:
                     streamed = True

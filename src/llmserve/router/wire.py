@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, cast
 
-from llmserve.protocol import (CompletionOutput, EngineStats, RequestFailedError, RequestMetrics,
-                               RequestOutput, TokenLogprob, TopLogprob)
+from llmserve.protocol import (
+    CompletionOutput,
+    EngineStats,
+    FinishReason,
+    RequestFailedError,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    TopLogprob,
+)
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.spec import StructuredOutputSpec
 
@@ -59,7 +67,7 @@ def params_from_dict(data: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**data)
 
 
-def _logprobs_to_list(items: Optional[list[TokenLogprob]]) -> Optional[list[dict]]:
+def _logprobs_to_list(items: Optional[Sequence[TokenLogprob]]) -> Optional[list[dict]]:
     if items is None:
         return None
     return [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob,
@@ -73,6 +81,16 @@ def _logprobs_from_list(items: Optional[list[dict]]) -> Optional[list[TokenLogpr
                          [TopLogprob(a, b, c) for a, b, c in t["top"]]) for t in items]
 
 
+def _finish_reason(value: Optional[str]) -> Optional[FinishReason]:
+    """A finish reason off the wire: the engine's enum (an unknown value is a protocol error)."""
+    if value is None:
+        return None
+    try:
+        return FinishReason(value)
+    except ValueError:
+        raise ValueError(f"unknown finish_reason {value!r} from the engine") from None
+
+
 def output_to_dict(out: RequestOutput, with_prompt: bool = True) -> dict[str, Any]:
     """One streamed increment (``error`` is sent separately, see :func:`error_to_dict`).
 
@@ -83,7 +101,8 @@ def output_to_dict(out: RequestOutput, with_prompt: bool = True) -> dict[str, An
         "num_cached_tokens": out.num_cached_tokens,
         "metrics": dataclasses.asdict(out.metrics) if out.metrics is not None else None,
         "prompt_logprobs": (None if out.prompt_logprobs is None else
-                            [None] + (_logprobs_to_list(out.prompt_logprobs[1:]) or [])),
+                            [None, *(_logprobs_to_list(  # only the first prompt token has none
+                                cast(list[TokenLogprob], out.prompt_logprobs[1:])) or [])]),
         "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                      "logprobs": _logprobs_to_list(c.logprobs), "num_tokens": c.num_tokens,
@@ -103,7 +122,7 @@ def output_from_dict(data: dict[str, Any],
     ones an increment sent without its prompt."""
     metrics = RequestMetrics(**data["metrics"]) if data.get("metrics") else None
     outputs = [CompletionOutput(index=c["index"], text=c["text"], token_ids=c["token_ids"],
-                                finish_reason=c["finish_reason"], stop_reason=c["stop_reason"],
+                                finish_reason=_finish_reason(c["finish_reason"]), stop_reason=c["stop_reason"],
                                 logprobs=_logprobs_from_list(c["logprobs"]),
                                 num_tokens=c["num_tokens"],
                                 accepted_prediction_tokens=c.get("accepted_prediction_tokens"),
@@ -158,7 +177,7 @@ def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
 
 
 def tokenizer_to_dict(tokenizer: Any) -> dict[str, Any]:
-    """Everything needed to rebuild ``llmserve.tokenizer.Tokenizer`` elsewhere."""
+    """Everything needed to rebuild ``llmserve.tokenizer.tokenizer.Tokenizer`` elsewhere."""
     return {"backend": tokenizer.backend.to_str(), "special_tokens": tokenizer.special_tokens,
             "add_bos_token": tokenizer.add_bos_token, "add_eos_token": tokenizer.add_eos_token,
             "chat_template": tokenizer.chat_template,
@@ -169,7 +188,7 @@ def tokenizer_from_dict(data: dict[str, Any]) -> Any:
     """The Tokenizer of :func:`tokenizer_to_dict` (same fingerprint as the original)."""
     from tokenizers import Tokenizer as BackendTokenizer
 
-    from llmserve.tokenizer import Tokenizer
+    from llmserve.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer(BackendTokenizer.from_str(data["backend"]), **data["special_tokens"],
                      add_bos_token=data["add_bos_token"], add_eos_token=data["add_eos_token"],

@@ -7,9 +7,9 @@ Endpoints:
     GET  /ready                                        200 when ``engine.is_ready()``, else 503
     GET  /metrics                                      Prometheus text (docs/METRICS.md)
     GET  /openapi.json                                 OpenAPI, with the request and response
-                                                       body schemas (server/openapi.py)
+                                                       body schemas (server/protocol/openapi.py)
     GET  /, /dashboard, /ui/*, /v1/status              web playground, live dashboard and
-                                                       their status JSON (server/ui.py)
+                                                       their status JSON (server/ui/pages.py)
 
 Every error body has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -24,45 +24,47 @@ from typing import Any, AsyncIterator, Mapping, Optional, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from llmserve.server.errors import OpenAIError, install_error_handlers
-from llmserve.server.gateway_hook import ExtraRoute, HTTPCall, RequestContext, call_hook
+from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.errors import OpenAIError
+from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall, RequestContext, call_hook
+from llmserve.contract.server_limits import ServerLimits
+from llmserve.server.errors import install_error_handlers
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.lora_adapters import lora_routes
-from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from llmserve.server.metrics.prometheus import CONTENT_TYPE, ServerMetrics
+from llmserve.server.metrics.status import StatusSampler
 from llmserve.server.middleware import RequestContextMiddleware
-from llmserve.server.openapi import install_openapi
-from llmserve.server.server_limits import ServerLimits
+from llmserve.server.protocol.openapi import install_openapi
 from llmserve.server.serving import OpenAIServing
-from llmserve.server.status import StatusSampler
-from llmserve.server.ui import install_ui_routes
+from llmserve.server.ui.pages import install_ui_routes
 
 logger = logging.getLogger(__name__)
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     *,
     served_model_names: Optional[Sequence[str]] = None,
-    gateway: Any = None,
+    gateway: Optional[Gateway] = None,
     max_body_bytes: Optional[int] = None,
-    engines: Optional[Mapping[str, Any]] = None,
+    engines: Optional[Mapping[str, EngineClient]] = None,
     limits: Optional[ServerLimits] = None,
     input_limits: Optional[RequestLimits] = None,
 ) -> FastAPI:
-    """Build the server for ``engine`` (an :class:`~llmserve.server.engine_client.EngineClient`).
+    """Build the server for ``engine`` (an :class:`~llmserve.contract.engine_client.EngineClient`).
 
     Args:
         engine: the engine to serve.
         served_model_names: names clients may put in ``model``; the first is the
             default for requests without one. Defaults to ``[engine.model_name]``.
         gateway: optional tenant/auth/admission hook, see
-            :mod:`llmserve.server.gateway_hook`.
+            :mod:`llmserve.contract.gateway_hook`.
         max_body_bytes: largest request body accepted (413 above); overrides
             ``limits.max_body_bytes``.
         engines: more served models in the same process, served name -> engine (e.g.
             a fallback model the gateway routes to). ``engine`` stays the default.
         limits: body size, body read timeout and tokenizer threads
-            (:class:`~llmserve.server.server_limits.ServerLimits`; the connection-level
+            (:class:`~llmserve.contract.server_limits.ServerLimits`; the connection-level
             limits are applied by :func:`~llmserve.server.launch.build_server`).
         input_limits: bounds on the request's inputs (stop strings, messages, prompt
             bytes ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
@@ -104,7 +106,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
 
-    install_gateway_routes(app, gateway)
+    if gateway is not None:
+        install_gateway_routes(app, gateway)
     install_routes(app, lora_routes(serving, engine, names[0], gateway))
     register_metrics = getattr(gateway, "register_metrics", None)
     if callable(register_metrics):
@@ -123,8 +126,9 @@ def create_app(
         eng = all_engines[name]
         card = {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve",
                 "root": eng.model_name, "max_model_len": eng.max_model_len}
-        if getattr(eng, "lora_parent", None):   # a LoRA adapter (server/lora_adapters.py)
-            card["parent"] = eng.lora_parent
+        parent = getattr(eng, "lora_parent", None)
+        if parent:   # a LoRA adapter (server/lora_adapters.py)
+            card["parent"] = parent
         return card
 
     async def authenticate(request: Request) -> None:
@@ -181,12 +185,13 @@ def create_app(
 
     distinct = list({id(e): e for e in all_engines.values()}.values())
     vocab = [getattr(e.tokenizer, "vocab_size", None) for e in distinct]
+    sizes = [v for v in vocab if isinstance(v, int)]
     install_openapi(app, input_limits, max(e.max_model_len for e in distinct),
-                    max(vocab) if all(isinstance(v, int) for v in vocab) else None)
+                    max(sizes) if len(sizes) == len(vocab) else None)
     return app
 
 
-def install_gateway_routes(app: FastAPI, gateway: Any) -> None:
+def install_gateway_routes(app: FastAPI, gateway: Gateway) -> None:
     """Serve the gateway's extra endpoints (``gateway.http_routes()``, e.g. prompt
     bundles and admin operations); their handlers get an :class:`HTTPCall`."""
     routes = getattr(gateway, "http_routes", None)

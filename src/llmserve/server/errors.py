@@ -14,90 +14,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmserve.contract.errors import OpenAIError, bad_request
 from llmserve.protocol import RequestFailedError
 
 logger = logging.getLogger(__name__)
 
 #: The OpenAI ``type`` string for each status we send.
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-    504: "timeout_error",
-}
+def error_response(error: OpenAIError) -> JSONResponse:
+    """The JSON response that carries ``error`` (status, body and headers)."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def error_type_for(status: int) -> str:
-    """The OpenAI error ``type`` that goes with an HTTP status."""
-    if status in _TYPE_BY_STATUS:
-        return _TYPE_BY_STATUS[status]
-    return "server_error" if status >= 500 else "invalid_request_error"
-
-
-class OpenAIError(Exception):
-    """An error to return to the client as an OpenAI-shaped JSON body.
-
-    Args:
-        status: HTTP status code.
-        message: human-readable explanation.
-        param: the request field at fault, if any (e.g. ``"temperature"``).
-        code: a machine-readable code (e.g. ``"context_length_exceeded"``).
-        type: the OpenAI error type; derived from ``status`` when omitted.
-        headers: extra response headers (e.g. ``Retry-After`` on a 429).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        type: Optional[str] = None,
-        headers: Optional[Mapping[str, str]] = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or error_type_for(status)
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body: ``{"error": {...}}``."""
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        """A JSONResponse carrying this error."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_body(
-    message: str, type: str, param: Optional[str] = None, code: Optional[str] = None
-) -> dict[str, Any]:
-    """Build the OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
-    """A 400 invalid_request_error."""
-    return OpenAIError(400, message, param=param, code=code)
-
-
-# -- pydantic validation errors -> one 400 ---------------------------------------------
-
-#: Pydantic union-member tags that appear in error locations and are not field names.
 _UNION_TAG_CHARS = set("[](),")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
               "function-before", "function-wrap", "literal", "tagged-union"}
@@ -189,11 +116,11 @@ _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_
 
 
 async def _handle_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return exc.response()
+    return error_response(exc)
 
 
 async def _handle_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return validation_error_to_openai(exc.errors()).response()
+    return error_response(validation_error_to_openai(exc.errors()))
 
 
 async def _handle_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -205,7 +132,7 @@ async def _handle_http_exception(request: Request, exc: StarletteHTTPException) 
         detail = f"Method {request.method} not allowed on {request.url.path}"
     err = OpenAIError(status, detail, code=_STATUS_CODES.get(status),
                       headers=dict(exc.headers or {}))
-    return err.response()
+    return error_response(err)
 
 
 def install_error_handlers(app: FastAPI) -> None:

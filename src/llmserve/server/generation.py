@@ -24,14 +24,24 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
 
+from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.errors import OpenAIError
+from llmserve.contract.gateway_hook import (
+    CapturedResponse,
+    Gateway,
+    OutcomeStatus,
+    RequestContext,
+    RequestOutcome,
+    Usage,
+    notify_complete,
+    notify_started,
+)
 from llmserve.protocol import RequestFailedError, RequestOutput, TokenLogprob
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.errors import OpenAIError, request_failed_to_openai, value_error_to_openai
-from llmserve.server.gateway_hook import (CapturedResponse, RequestContext, RequestOutcome, Usage,
-                                          notify_complete, notify_started)
-from llmserve.server.metrics import RequestTimer, ServerMetrics
+from llmserve.server.errors import request_failed_to_openai, value_error_to_openai
+from llmserve.server.metrics.prometheus import RequestTimer, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +51,7 @@ ABORT_CONFIRM_TIMEOUT_S = 10.0
 
 
 @functools.lru_cache(maxsize=None)
-def supports_queue_deadline(engine_type: type) -> bool:
+def supports_queue_deadline(engine_type: type[EngineClient]) -> bool:
     """Whether ``engine_type.generate`` takes ``queue_deadline`` (it is optional)."""
     try:
         params = inspect.signature(engine_type.generate).parameters
@@ -87,14 +97,14 @@ class GenerationRun:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         prompts: list[list[int]],
         params: SamplingParams,
         engine_ids: list[str],
         ctx: RequestContext,
         metrics: ServerMetrics,
         timer: RequestTimer,
-        gateway: Any,
+        gateway: Optional[Gateway],
         release_ids: Callable[[list[str]], None],
         served_model: Optional[str] = None,
         prediction: Optional[str] = None,
@@ -140,7 +150,7 @@ class GenerationRun:
             stream = await stream
         return stream
 
-    async def _single(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _single(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         stream = await self._open(0)
         try:
             async for out in stream:
@@ -150,7 +160,7 @@ class GenerationRun:
             if aclose is not None:
                 await aclose()
 
-    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -185,7 +195,7 @@ class GenerationRun:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+    async def deltas(self) -> AsyncGenerator[list[ChoiceDelta], None]:
         """Yield, per engine increment, the changes to the response's choices.
 
         A ValueError from the engine (invalid request) becomes a 400 OpenAIError, a
@@ -333,9 +343,9 @@ class GenerationRun:
                     self.cached_tokens[i] = final.num_cached_tokens
 
     def terminal_check(self) -> Optional[OpenAIError]:
-        """See :func:`llmserve.server.responses.terminal_error`; a terminal error is
+        """See :func:`llmserve.server.protocol.responses.terminal_error`; a terminal error is
         counted in ``llmserve_requests_rejected_total``."""
-        from llmserve.server.responses import terminal_error
+        from llmserve.server.protocol.responses import terminal_error
 
         err = terminal_error([c.finish_reason for c in self.choices],
                              [c.num_tokens for c in self.choices])
@@ -350,15 +360,15 @@ class GenerationRun:
         return self
 
     @staticmethod
-    def _http_status(status: str, given: Optional[int],
+    def _http_status(status: OutcomeStatus, given: Optional[int],
                      response: Optional[CapturedResponse]) -> Optional[int]:
         if given is not None:
             return given
-        if status == "aborted" or response is None:
+        if status == OutcomeStatus.ABORTED or response is None:
             return None
         return response.status
 
-    async def finish(self, status: str, error: Optional[str] = None,
+    async def finish(self, status: OutcomeStatus, error: Optional[str] = None,
                      response: Optional[CapturedResponse] = None,
                      http_status: Optional[int] = None) -> None:
         """End the request exactly once: abort leftovers, release ids, notify the gateway.
@@ -378,9 +388,9 @@ class GenerationRun:
         finally:
             self._release_ids(self.engine_ids)
             self.metrics.in_progress.dec()
-            if status == "aborted":
+            if status == OutcomeStatus.ABORTED:
                 self.metrics.client_disconnects.inc()
-            elif status == "completed":
+            elif status == OutcomeStatus.COMPLETED:
                 self.timer.on_request_done()
             outcome = RequestOutcome(status=status, usage=self.usage(computed=True),
                                      finish_reasons=[c.finish_reason for c in self.choices],

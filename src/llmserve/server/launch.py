@@ -6,14 +6,15 @@ from typing import Any, Optional
 
 import uvicorn
 
+from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.server_limits import ServerLimits
 from llmserve.server.app import create_app
-from llmserve.server.server_limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
 
 def build_server(
-    engine: Any,
+    engine: EngineClient,
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
@@ -25,7 +26,7 @@ def build_server(
 ) -> uvicorn.Server:
     """A configured (not yet running) uvicorn Server for ``engine``.
 
-    ``limits`` (default :class:`~llmserve.server.server_limits.ServerLimits`) sets the
+    ``limits`` (default :class:`~llmserve.contract.server_limits.ServerLimits`) sets the
     connection cap, keep-alive and header timeouts, the largest request head, and goes
     to the app for the body limits. ``app_kwargs`` go to
     :func:`~llmserve.server.app.create_app` (``served_model_names``, ``gateway``,
@@ -44,7 +45,7 @@ def build_server(
     return uvicorn.Server(config)
 
 
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           **kwargs: Any) -> None:
     """Serve ``engine`` over HTTP until interrupted (SIGINT/SIGTERM). Blocks.
 

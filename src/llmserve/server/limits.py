@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from llmserve.server.errors import OpenAIError, bad_request
+from llmserve.contract.errors import OpenAIError, bad_request
 
 #: Most choices (prompts x n) one request may ask for.
 MAX_CHOICES_PER_REQUEST = 128

@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Union, cast
 
-from llmserve.engine.lora_registry import LoraError, LoraInUse, LoraNotFound
-from llmserve.server.errors import OpenAIError
-from llmserve.server.gateway_hook import ExtraRoute, HTTPCall
+from llmserve.contract.engine_client import EngineClient, LoraAdmin, LoraEngineClient
+from llmserve.contract.errors import OpenAIError
+from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall
+from llmserve.lora.registry import LoraError, LoraInUse, LoraNotFound
+from llmserve.protocol import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +47,11 @@ class LoraModelView:
     def __getattr__(self, name: str) -> Any:   # tokenizer, max_model_len, abort, stats ...
         return getattr(self.base_engine, name)
 
-    def generate(self, prompt: Any, params: Any, request_id: str, *, priority: Any = None,
+    def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+                 *, priority: Union[int, str, None] = None,
                  cache_salt: Optional[str] = None, deadline: Optional[float] = None,
                  queue_deadline: Optional[float] = None,
-                 prediction: Optional[str] = None) -> AsyncIterator[Any]:
+                 prediction: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
         """The base engine's ``generate`` under this adapter."""
         return self.base_engine.generate(prompt, params, request_id, priority=priority,
                                    cache_salt=cache_salt, deadline=deadline,
@@ -55,7 +62,8 @@ class LoraModelView:
 class LoraAdapters:
     """Keeps the served model names in step with the engine's loaded adapters."""
 
-    def __init__(self, serving: Any, engine: Any, parent: str, gateway: Any = None) -> None:
+    def __init__(self, serving: OpenAIServing, engine: LoraEngineClient, parent: str,
+                 gateway: Optional[Gateway] = None) -> None:
         self.serving = serving
         self.engine = engine
         self.parent = parent
@@ -64,10 +72,10 @@ class LoraAdapters:
             self._serve(info)
 
     @staticmethod
-    def supported(engine: Any) -> bool:
+    def supported(engine: EngineClient) -> bool:
         """Engines that can load adapters (an engine without ``--max-loras`` answers the
         load endpoint with a 400 that says how to enable LoRA)."""
-        return callable(getattr(engine, "load_lora_adapter", None))
+        return isinstance(engine, LoraAdmin)
 
     def _serve(self, info: dict[str, Any]) -> None:
         view = LoraModelView(self.engine, self.parent, info)
@@ -148,11 +156,12 @@ class LoraAdapters:
         return 200, {"object": "lora_adapter", "name": name, "unloaded": True}
 
 
-def lora_routes(serving: Any, engine: Any, parent: str,
-                gateway: Any = None) -> list[ExtraRoute]:
+def lora_routes(serving: OpenAIServing, engine: EngineClient, parent: str,
+                gateway: Optional[Gateway] = None) -> list[ExtraRoute]:
     """Serve ``engine``'s adapters; the load/unload endpoints (none without LoRA)."""
     if not LoraAdapters.supported(engine):
         return []
-    adapters = LoraAdapters(serving, engine, parent, gateway)
+    # an engine with the adapter operations (LoraAdmin) is a LoraEngineClient
+    adapters = LoraAdapters(serving, cast(LoraEngineClient, engine), parent, gateway)
     return [ExtraRoute("POST", "/v1/load_lora_adapter", adapters.load),
             ExtraRoute("POST", "/v1/unload_lora_adapter", adapters.unload)]

@@ -25,9 +25,9 @@ from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect
 
-from llmserve.server.errors import OpenAIError
-from llmserve.server.metrics import ServerMetrics
-from llmserve.server.sse import ClientDisconnected
+from llmserve.contract.errors import OpenAIError
+from llmserve.server.metrics.prometheus import ServerMetrics
+from llmserve.server.stream.sse import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ SamplingParams -> reserve engine ids -> admit (gateway; may pick another served 
 -> GenerationRun on that model's engine -> SSE stream or JSON body. An authenticated
 request that fails before admission is reported to the gateway's ``on_reject``; every
 error answer is counted in ``llmserve_requests_rejected_total``. See
-:mod:`llmserve.server.gateway_hook` and :mod:`llmserve.server.limits`.
+:mod:`llmserve.contract.gateway_hook` and :mod:`llmserve.server.limits`.
 """
 from __future__ import annotations
 
@@ -22,24 +22,29 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.errors import OpenAIError, bad_request
+from llmserve.contract.gateway_hook import CapturedResponse, Gateway, OutcomeStatus, RequestContext, call_hook, notify
+from llmserve.contract.server_limits import PARSE_INLINE_BYTES, ServerLimits
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.errors import OpenAIError, bad_request, value_error_to_openai
+from llmserve.server.errors import value_error_to_openai
 from llmserve.server.fair_pool import FairThreadPool
-from llmserve.server.gateway_hook import CapturedResponse, RequestContext, call_hook, notify
 from llmserve.server.generation import GenerationRun
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
-from llmserve.server.server_limits import PARSE_INLINE_BYTES, ServerLimits
-from llmserve.server.metrics import RequestTimer, ServerMetrics
-from llmserve.server.openai_protocol import (MAX_CHOICES_PER_REQUEST, ChatCompletionRequest,
-                                             CompletionRequest, make_sampling_params,
-                                             parse_request)
-from llmserve.server.response_shaping import ResponseOptions, fim_prompt
-from llmserve.server.responses import ResponseHeader
+from llmserve.server.metrics.prometheus import RequestTimer, ServerMetrics
+from llmserve.server.protocol.openai import (
+    MAX_CHOICES_PER_REQUEST,
+    ChatCompletionRequest,
+    CompletionRequest,
+    make_sampling_params,
+    parse_request,
+)
+from llmserve.server.protocol.response_shaping import ResponseOptions, fim_prompt
+from llmserve.server.protocol.responses import ResponseHeader
 from llmserve.server.sampling_defaults import apply_sampling_defaults
-from llmserve.server.tool_calls import chat_prompt_tokens
-from llmserve.server.sse import (ClientDisconnected, EventStreamResponse, replay_response,
-                                 run_until_disconnect)
-from llmserve.server.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
+from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse, replay_response, run_until_disconnect
+from llmserve.server.stream.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
+from llmserve.tokenizer.chat_prompt import chat_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +87,9 @@ async def read_body(request: Request, limit: int, timeout_s: Optional[float] = N
 class OpenAIServing:
     """Serves the two generation endpoints for one engine."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, served_model_names: Sequence[str],
-                 gateway: Any = None, max_body_bytes: Optional[int] = None,
-                 engines: Optional[Mapping[str, Any]] = None,
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_names: Sequence[str],
+                 gateway: Optional[Gateway] = None, max_body_bytes: Optional[int] = None,
+                 engines: Optional[Mapping[str, EngineClient]] = None,
                  limits: Optional[ServerLimits] = None,
                  input_limits: RequestLimits = DEFAULT_LIMITS) -> None:
         if not served_model_names:
@@ -92,7 +97,7 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         #: served model name -> engine: ``served_model_names`` name ``engine``, ``engines`` more.
-        self.engines: dict[str, Any] = {name: engine for name in served_model_names}
+        self.engines: dict[str, EngineClient] = {name: engine for name in served_model_names}
         for name, other in (engines or {}).items():
             if name in self.engines:
                 raise ValueError(f"served model name {name!r} is given twice")
@@ -126,11 +131,11 @@ class OpenAIServing:
                               param="model", code="model_not_found")
         return requested
 
-    def _chat_prompt(self, engine: Any, messages: list[dict[str, Any]],
+    def _chat_prompt(self, engine: EngineClient, messages: list[dict[str, Any]],
                      tools: Optional[list[dict]] = None) -> list[int]:
         return chat_prompt_tokens(engine.tokenizer, messages, True, tools)
 
-    def _text_prompts(self, engine: Any, prompts: list[Union[str, list[int]]],
+    def _text_prompts(self, engine: EngineClient, prompts: list[Union[str, list[int]]],
                       suffix: Optional[str] = None) -> list[list[int]]:
         tok = engine.tokenizer
         if suffix is not None:  # fill-in-the-middle (a 400 without FIM tokens)
@@ -139,7 +144,7 @@ class OpenAIServing:
             return [fim_prompt(tok, p, suffix) for p in prompts]  # type: ignore[arg-type]
         vocab = getattr(tok, "vocab_size", None)
         if not isinstance(vocab, int) and hasattr(tok, "__len__"):
-            vocab = len(tok)
+            vocab = len(tok)  # type: ignore[arg-type]  # a tokenizer without vocab_size
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -154,7 +159,7 @@ class OpenAIServing:
             out.append(list(p))
         return out
 
-    def _resolve_max_tokens(self, engine: Any, requested: Optional[int], field: str,
+    def _resolve_max_tokens(self, engine: EngineClient, requested: Optional[int], field: str,
                             longest: int, what: str) -> int:
         limit = engine.max_model_len
         if requested is None:
@@ -341,7 +346,7 @@ class OpenAIServing:
                                    want_logprobs=want_logprobs, capture=ctx.capture_response,
                                    opts=opts)
             return EventStreamResponse(events, headers=headers,
-                                       on_close=lambda: run.finish("aborted"))
+                                       on_close=lambda: run.finish(OutcomeStatus.ABORTED))
         try:
             await run_until_disconnect(run.consume(), request.receive)
         except ClientDisconnected:
@@ -350,19 +355,19 @@ class OpenAIServing:
                 partial = CapturedResponse(200, {"Content-Type": "application/json", **headers},
                                            body=self._body(run, header, chat, opts,
                                                            aborted=True))
-            await run.finish("aborted", response=partial)
+            await run.finish(OutcomeStatus.ABORTED, response=partial)
             raise
         except BaseException as exc:
-            await run.finish("error", repr(exc),
+            await run.finish(OutcomeStatus.ERROR, repr(exc),
                              http_status=None if isinstance(exc, asyncio.CancelledError) else 500)
             raise
         err = run.terminal_check()
         if err is not None:
-            await run.finish("error", err.message,
+            await run.finish(OutcomeStatus.ERROR, err.message,
                              CapturedResponse(err.status, dict(err.headers), body=err.body()))
             raise err
         body = self._body(run, header, chat, opts)
-        await run.finish("completed", None,
+        await run.finish(OutcomeStatus.COMPLETED, None,
                          CapturedResponse(200, {"Content-Type": "application/json", **headers},
                                           body=body))
         return JSONResponse(body, headers=headers)

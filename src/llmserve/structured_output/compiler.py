@@ -18,8 +18,7 @@ import threading
 import time
 from typing import Any, Collection, Optional
 
-from llmserve.structured_output.spec import (StructuredOutputSpec, UnsupportedGrammarError,
-                                             check_spec, describe_error)
+from llmserve.structured_output.spec import StructuredOutputSpec, UnsupportedGrammarError, check_spec, describe_error
 
 logger = logging.getLogger(__name__)
 

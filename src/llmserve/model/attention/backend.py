@@ -26,6 +26,7 @@ import torch
 
 from llmserve.model.quant.kv import load_kv, store_kv
 
+
 @dataclass
 class StepBatch:
     """Index tensors of one step (device) and the host lists they came from."""

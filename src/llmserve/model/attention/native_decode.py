@@ -1,11 +1,11 @@
-"""Decode attention by llmserve's native kernel (``model/csrc/paged_decode.cpp``).
+"""Decode attention by llmserve's native kernel (``model/native/csrc/paged_decode.cpp``).
 
 The compiled in-place formulation (:func:`~llmserve.model.attention.paged.paged_decode_inplace`)
-lets inductor index the cache, but its generated loops ran at ~0.45 ms a layer for 32
-sequences of ~150 tokens (a third of the default model's batch-32 step). The native kernel
-does the same arithmetic (float32 scores and sums, exact bf16 products) with one task per
-(sequence, KV head) that reads each K and V row once where it lives: ~4.8x faster there
-(docs/ARCHITECTURE.md, "Native kernels").
+lets inductor index the cache, but its generated loops were slow: at 32 sequences they took
+a large share of the default model's decode step. The native kernel does the same
+arithmetic (float32 scores and sums, exact bf16 products) with one task per (sequence, KV
+head) that reads each K and V row once where it lives, and is several times faster there
+(docs/ARCHITECTURE.md, "Native kernels"; figures in docs/BENCHMARKS.md).
 
 Used for decode rows when the library is loaded and checked (:func:`native_decode_usable`):
 bf16 queries and a bf16 KV cache on CPU, a head size that is a multiple of 16. Quantized KV
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from llmserve.model.native import kernel_checked
+from llmserve.model.native.ops import kernel_checked
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,8 +15,8 @@ axis, each row masked to the keys at or before its position. Run eagerly, the sa
 formulation would materialise a G-times larger product, so eager steps without the native
 kernel gather the blocks (one contiguous copy) and call SDPA. Prefill chunks use the
 reference backend's grouped gather + SDPA, or, with the native kernel, one decode-like row
-per query against its own causal keys (:func:`_native_prefill_rows`): a 1024-token prefill
-of the default model 0.85 -> 0.70 s (SDPA with a mask ran at ~35 GFLOP/s on these shapes).
+per query against its own causal keys (:func:`_native_prefill_rows`). This made prefills of
+the default model faster: SDPA with a mask runs slowly on these shapes (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -24,10 +24,8 @@ from typing import Optional
 
 import torch
 
-from llmserve.model.attention.backend import (AttentionMetadata, GroupMetadata, StepBatch,
-                                              write_kv)
-from llmserve.model.attention.native_decode import (native_decode_available,
-                                                    native_decode_usable, paged_decode_native)
+from llmserve.model.attention.backend import AttentionMetadata, GroupMetadata, StepBatch, write_kv
+from llmserve.model.attention.native_decode import native_decode_available, native_decode_usable, paged_decode_native
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
 from llmserve.model.quant.kv import load_kv
 

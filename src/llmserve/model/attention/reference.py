@@ -18,8 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model.attention.backend import (
-    AttentionBackend, AttentionMetadata, GroupMetadata, StepBatch, capped_attention,
-    gather_blocks, write_kv,
+    AttentionBackend,
+    AttentionMetadata,
+    GroupMetadata,
+    StepBatch,
+    capped_attention,
+    gather_blocks,
+    write_kv,
 )
 
 

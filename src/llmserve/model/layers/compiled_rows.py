@@ -3,10 +3,10 @@
 A compiled decode graph fuses each layer's element-wise work into a few loops. Eager steps
 (prefill chunks, mixed batches) run PyTorch's kernels one op at a time instead: the rotary
 embedding alone is a float copy, four products, a subtraction, an addition, a concatenation
-and a cast per tensor, 1.8 ms per layer at 2048 rows against 0.3 ms compiled. Modules with a
-``compile_rows(dtype, device)`` method (RMSNorm, RotaryEmbedding, GatedMLP) get such a
-function compiled once with dynamic shapes (one graph for every row count, built on a dummy
-input at start-up) and call it for calls of at least :data:`COMPILED_ROWS_MIN` rows outside
+and a cast per tensor, several times slower at 2048 rows than the compiled function
+(docs/BENCHMARKS.md). Modules with a ``compile_rows(dtype, device)`` method (RMSNorm,
+RotaryEmbedding, GatedMLP) get such a function compiled once with dynamic shapes (one graph
+for every row count, built on a dummy input at start-up) and call it for calls of at least :data:`COMPILED_ROWS_MIN` rows outside
 a compiled graph. Engines that compile their decode step only (``--enforce-eager``, tensor
 parallel and models the compiler cannot take keep every op eager); where compiling fails,
 at start-up or on a later call, the module logs it and runs the plain function.
@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from llmserve.model.compile import compiler_error
+from llmserve.model.executor.compile import compiler_error
 
 logger = logging.getLogger(__name__)
 

@@ -75,9 +75,9 @@ def cpu_op(schema: str, fake: Callable[..., torch.Tensor]):
     its CPU kernel and ``fake`` as its shape function (for ``torch.compile``); returns the
     operator. Compiled graphs call such an op from their wrapper as an external kernel.
 
-    Plain ``Library`` registration, not ``torch.library.custom_op``: a call costs ~17 µs
-    against ~34 µs (custom_op's Python layers), which at 121 dense linears a step was 2 ms
-    of the default model's bf16 batch-1 step."""
+    Plain ``Library`` registration, not ``torch.library.custom_op``: a call costs about half
+    as much (custom_op adds Python layers), which counts at 121 dense linears in each of the
+    default model's bf16 steps (docs/BENCHMARKS.md)."""
     name = schema.split("(", 1)[0]
 
     def register(fn: Callable[..., torch.Tensor]):

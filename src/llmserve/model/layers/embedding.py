@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model.gguf_loader import RawGGUFTensor
 from llmserve.model.layers import cpu_kernels
 from llmserve.model.layers.linear import Linear, LinearMethod
 from llmserve.model.layers.native_dense import bf16_mm, can_pack_native, pack_bf16
+from llmserve.model.loading.gguf import RawGGUFTensor
 
 _QUANT_CHUNK_ROWS = 4096
 

@@ -50,7 +50,7 @@ class LinearMethod(ABC):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """``x (..., input_size) -> (..., sum(output_sizes))``."""
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: "Linear") -> None:  # noqa: B027 - optional hook
         """Repack once every shard is loaded (default: nothing)."""
 
     def weight_bytes(self, layer: "Linear") -> int:

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from llmserve.model.gguf_loader import RawGGUFTensor
 from llmserve.model.layers.linear import DenseLinearMethod, Linear
+from llmserve.model.loading.gguf import RawGGUFTensor
 
 
 class RouterLinearMethod(DenseLinearMethod):

@@ -1,12 +1,13 @@
-"""Dense bf16 weights for llmserve's native bf16 kernel (``model/csrc/bf16_gemm.cpp``).
+"""Dense bf16 weights for llmserve's native bf16 kernel (``model/native/csrc/bf16_gemm.cpp``).
 
 A decode step at batch 1 is a chain of matrix-vector products, so its time is the weight
-bytes over the read bandwidth. oneDNN's prepacked bf16 linear (``cpu_kernels``) reached ~0.6x
-of the streaming bandwidth here, plus ~17 µs a call through a Python-registered op; the
-native kernel reads a strip of 16 output channels as (k, k+1) pairs by ``vdpbf16ps`` at
-~0.9x, and is a C++ op (no Python in the call). Side by side on the default model's shapes
-(2 threads): 1 row 2.3-4.4x faster, 8 rows 1.6-2.1x, 32 rows 1.03-1.3x, 512 rows 0.9-0.98x
-of oneDNN; it serves every row count so the weights are kept once.
+bytes over the read bandwidth. oneDNN's prepacked bf16 linear (``cpu_kernels``) reached only
+part of the streaming bandwidth here, and each call went through a Python-registered op.
+The native kernel reads a strip of 16 output channels as (k, k+1) pairs by ``vdpbf16ps``,
+gets much closer to the streaming bandwidth, and is a C++ op (no Python in the call). Side
+by side on the default model's shapes it is much faster than oneDNN at 1 row, less so as
+the rows grow, and about even at 512 rows (docs/BENCHMARKS.md); it serves every row count
+so the weights are kept once.
 
 Packed layout (per strip of 16 output channels, one 32-value vector per pair of k's)::
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import cut_padding, kernel_checked, pair_strips
+from llmserve.model.native.ops import cut_padding, kernel_checked, pair_strips
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,12 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.layers.linear import LinearMethod
 from llmserve.model.layers.norm import RMSNorm
 from llmserve.model.models.base import (
-    CausalLM, DecoderAttention, DecoderLayer, GatedMLP, Shapes, attention_shapes,
+    CausalLM,
+    DecoderAttention,
+    DecoderLayer,
+    GatedMLP,
+    Shapes,
+    attention_shapes,
     gated_mlp_shapes,
 )
 

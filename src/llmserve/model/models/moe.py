@@ -27,8 +27,14 @@ from llmserve.model.layers.linear import LinearMethod
 from llmserve.model.layers.moe import MoEMLP
 from llmserve.model.layers.norm import RMSNorm
 from llmserve.model.models.base import (
-    SPLIT_QKV_GATE_UP, CausalLM, DecoderAttention, DecoderLayer, GatedMLP, Shapes,
-    attention_shapes, gated_mlp_shapes,
+    SPLIT_QKV_GATE_UP,
+    CausalLM,
+    DecoderAttention,
+    DecoderLayer,
+    GatedMLP,
+    Shapes,
+    attention_shapes,
+    gated_mlp_shapes,
 )
 
 # checkpoint sub-path patterns -> (module path template, shard)

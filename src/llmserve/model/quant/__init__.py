@@ -32,8 +32,8 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.layers.embedding import VocabEmbedding
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
 from llmserve.model.quant.kernels import kernels_available
-from llmserve.model.quant.native_int4 import native_int4_a8_available
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
+from llmserve.model.quant.native_int4 import native_int4_a8_available
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from llmserve.model.gguf_loader import RawGGUFTensor
+from llmserve.model.loading.gguf import RawGGUFTensor
 from llmserve.model.quant.kernels import Int4Groups
 
 Q = GGMLQuantizationType

@@ -31,13 +31,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers.cpu_kernels import cpu_op
+from llmserve.model.quant.native_int4 import (
+    int4_a8_mm,
+    native_int4_a8_available,
+    native_int4_available,
+    pack_int4,
+    pack_int4_a8,
+)
 from llmserve.model.quant.native_int4 import int4_mm as native_int4_mm
-from llmserve.model.quant.native_int4 import (int4_a8_mm, native_int4_a8_available,
-                                              native_int4_available, pack_int4, pack_int4_a8)
+from llmserve.model.quant.native_int8 import (
+    A8_BLOCK,
+    int8_a8_mm,
+    native_int8_a8_available,
+    native_int8_available,
+    pack_int8,
+    pack_int8_a8,
+    packed_rows,
+)
 from llmserve.model.quant.native_int8 import int8_mm as native_int8_mm
-from llmserve.model.quant.native_int8 import (A8_BLOCK, int8_a8_mm, native_int8_a8_available,
-                                              native_int8_available, pack_int8, pack_int8_a8,
-                                              packed_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +128,8 @@ def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
 #: From this many rows on (prefill chunks), int4 products dequantize bf16 tiles and use a dense
 #: GEMM: the int4 kernel's cost grows linearly with the rows, while dequantizing costs a fixed
 #: pass over the weights (measured in one serving run: from 16 rows the dequantization made
-#: 24-sequence decode steps ~4x slower, so decode batches stay on the int4 kernel).
+#: 24-sequence decode steps several times slower, so decode batches stay on the int4 kernel;
+#: docs/BENCHMARKS.md).
 INT4_GEMM_MIN_ROWS = 96
 _PACK_BLOCK_N = 64
 
@@ -179,7 +191,7 @@ def _int4_tile(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
     q = unpack_int4_columns(packed, start, cols).view(k // group_size, group_size, cols)
     sz = scales_zeros[:, start:start + cols]                            # (K/g, cols, 2)
     scale = sz[..., 0].contiguous().unsqueeze(1)        # contiguous: broadcasting a strided
-    zero = sz[..., 1].contiguous().unsqueeze(1)         # view runs ~8x slower
+    zero = sz[..., 1].contiguous().unsqueeze(1)         # view runs far slower
     w = torch.addcmul(zero, q.to(dtype).sub_(8), scale)                 # one bf16 rounding
     return w.view(k, cols)
 
@@ -318,8 +330,9 @@ class Int8Weight(nn.Module):
     (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights), bf16 tiles of the weight feed a
     dense GEMM (:func:`int8_mm`).
 
-    ``int8_activations`` packs for ``int8_a8_mm`` (rows quantized in blocks of 32, ~2x the
-    bf16 kernel) where it runs: native, K % 32 == 0, AVX512-VNNI (``self.int8_activations``).
+    ``int8_activations`` packs for ``int8_a8_mm`` (rows quantized in blocks of 32, faster
+    than the bf16 kernel: docs/BENCHMARKS.md) where it runs: native, K % 32 == 0,
+    AVX512-VNNI (``self.int8_activations``).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,
@@ -353,8 +366,8 @@ class Int8Weight(nn.Module):
             y = self._native_product(x2, False)
         elif x2.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph: inductor fuses this into one reduction over the
-            # int8 bytes, 1.4-1.5x faster than the pack kernel at the default model's LM
-            # head (the eager form would materialise an (N, K) float product)
+            # int8 bytes, faster than the pack kernel at the default model's LM head
+            # (docs/BENCHMARKS.md; the eager form would materialise an (N, K) float product)
             y = ((self.qweight.float() * x2.float()).sum(-1) * self.scale.float()).unsqueeze(0)
         else:
             y = int8_mm(x2, self.qweight, self.scale)

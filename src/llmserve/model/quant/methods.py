@@ -23,20 +23,24 @@ dense layers fall back to :class:`DenseLinearMethod`. The layer's bias stays den
 """
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import logging
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from llmserve.model.gguf_loader import RawGGUFTensor
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
+from llmserve.model.loading.gguf import RawGGUFTensor
 from llmserve.model.quant.gguf_blocks import dequantize_raw, to_int4_groups
 from llmserve.model.quant.kernels import (
-    INT4_GROUP_SIZES, Int4Groups, Int4Weight, Int8Weight, quantize_int4, quantize_int8,
+    INT4_GROUP_SIZES,
+    Int4Groups,
+    Int4Weight,
+    Int8Weight,
+    quantize_int4,
+    quantize_int8,
 )
 
 logger = logging.getLogger(__name__)

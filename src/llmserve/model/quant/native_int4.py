@@ -1,13 +1,14 @@
-"""Int4 weights for llmserve's native int4 x bf16 kernel (``model/csrc/int4_bf16_gemm.cpp``).
+"""Int4 weights for llmserve's native int4 x bf16 kernel (``model/native/csrc/int4_bf16_gemm.cpp``).
 
 PyTorch's ``_weight_int4pack_mm_for_cpu`` dequantizes to float32 and multiplies 4 rows at a
-time with float32 FMAs: ~165 GFLOP/s on 2 AVX-512 cores whatever the batch, which left 8..32
+time with float32 FMAs: its throughput stays flat whatever the batch, which left 8..32
 sequence decode steps compute-bound. The native kernel dots the 4-bit codes (``q - 8``, exact
 in bf16) with the bf16 activations by ``vdpbf16ps`` (exact products, float32 sums), shares
 each dequantized vector among 8 activation rows, and applies a group's scale and zero once
 per group: ``y += scale * dot + zero * sum(x over the group)``. Measured side by side on the
-default model's shapes (2 threads, AVX512-BF16): 2.1-2.4x the aten kernel from 1 to 1024
-rows, and faster than bf16 tiles + oneDNN up to ~512 rows, so it serves every row count.
+default model's shapes (AVX512-BF16), it beats the aten kernel at every row count tried and
+bf16 tiles + oneDNN up to a few hundred rows, so it serves every row count
+(docs/BENCHMARKS.md).
 
 Packed layout (per strip of 16 output channels, one 32-byte chunk per 4 k's)::
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import a8_supported, kernel_checked
+from llmserve.model.native.ops import a8_supported, kernel_checked
 from llmserve.model.quant.native_int8 import A8_BLOCK, quantized_rows_reference
 
 STRIP = 16
@@ -69,12 +70,12 @@ def native_int4_available() -> bool:
     return kernel_checked("int4", _self_test)
 
 
-# ---- int8 activations: llmserve_native::int4_a8_mm (model/csrc/int4_int8_gemm.cpp) ----------
+# ---- int8 activations: llmserve_native::int4_a8_mm (model/native/csrc/int4_int8_gemm.cpp) ----------
 #
 # Each activation row is quantized in blocks of 32 (s = max|x| / 127, codes round(x / s)) and
 # dotted with the 4-bit codes exactly in int32 by vpdpbusd: llama.cpp's Q4_1 x Q8_1
-# arithmetic, ~1.3-1.5x the bf16 kernel's throughput from 8 rows on. Layout per strip of 16
-# output channels, one 64-byte octet per 8 k's::
+# arithmetic, above the bf16 kernel's throughput from 8 rows on (docs/BENCHMARKS.md). Layout
+# per strip of 16 output channels, one 64-byte octet per 8 k's::
 #
 #     byte 4c + j of octet o:  low nibble  q[16s + c][8o + j]          (c < 16, j < 4)
 #                              high nibble q[16s + c][8o + 4 + j]

@@ -1,4 +1,4 @@
-"""Int8 weights for llmserve's native int8 x bf16 kernel (``model/csrc/int8_bf16_gemm.cpp``).
+"""Int8 weights for llmserve's native int8 x bf16 kernel (``model/native/csrc/int8_bf16_gemm.cpp``).
 
 The default model's LM head (its tied int8 embedding table, 49152 x 576) is the largest
 product of a decode step. PyTorch has no bf16-activation int8 GEMM: ``_weight_int8pack_mm``
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native import a8_supported, cut_padding, kernel_checked, pair_strips
+from llmserve.model.native.ops import a8_supported, cut_padding, kernel_checked, pair_strips
 
 STRIP = 16
 A8_BLOCK = 32     # activation quantization block of the int8-activation kernels
@@ -68,7 +68,7 @@ def native_int8_available() -> bool:
     return kernel_checked("int8", _self_test)
 
 
-# ---- int8 activations: llmserve_native::int8_a8_mm (model/csrc/int8_int8_gemm.cpp) ----------
+# ---- int8 activations: llmserve_native::int8_a8_mm (model/native/csrc/int8_int8_gemm.cpp) ----------
 #
 # Activation rows quantized in blocks of 32 (as int4_a8_mm's) meet the int8 codes in vpdpbusd,
 # exact int32 sums; ``y = scale * sum_b s_b * dot_b`` in float32. vpdpbusd multiplies unsigned

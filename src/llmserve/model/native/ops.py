@@ -1,0 +1,202 @@
+"""llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
+
+Six operators, ``torch.ops.llmserve_native``:
+
+- ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
+  x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
+  :mod:`~llmserve.model.quant.native_int8` and :mod:`llmserve.model.layers.native_dense`
+  pack the weights and document the layouts);
+- ``int4_a8_mm`` / ``int8_a8_mm``: the same int4 / int8 weights x activation rows quantized
+  to int8 in blocks of 32, by ``vpdpbusd`` (they also need AVX512-VNNI: ``a8_supported``);
+- ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
+  (:mod:`llmserve.model.attention.native_decode`).
+
+All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
+itself) and a C++ compiler: the one ``torch.compile`` needs already. They are built once per
+machine, torch build and source text into ``~/.cache/llmserve/kernels``
+(``LLMSERVE_KERNEL_CACHE``), in ~7-13 s, loaded with ``torch.ops.load_library``, and given
+fake (shape) functions so compiled graphs call them as external kernels. Where anything of
+that fails, or ``LLMSERVE_NATIVE_KERNELS=0``, :func:`native_available` is false and callers
+keep PyTorch's kernels: every code path runs without this library.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from llmserve.model.platform import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
+REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512bf16", "-mfma", "-w"]
+_state: "dict[str, bool]" = {}
+_self_tests: "dict[str, bool]" = {}
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get("LLMSERVE_KERNEL_CACHE",
+                               Path.home() / ".cache" / "llmserve" / "kernels"))
+
+
+def _compiler() -> "str | None":
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
+
+
+def _run(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(proc: subprocess.Popen, what: str) -> None:
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited {proc.returncode}: {err[-2000:]}")
+
+
+def build(cxx: str) -> Path:
+    """Compile the sources (in parallel) and link the library into the cache; returns its
+    path. Concurrent builders each link to a temp file and rename it into place."""
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}",
+                f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    libs = [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-lgomp",
+            f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES + HEADERS), torch.__version__,
+                                    str(torch_dir), cxx, *_FLAGS, *includes, *libs]).encode())
+    target = kernel_cache_dir() / f"llmserve_native-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        logger.info("building llmserve's native CPU kernels (once per machine, ~10 s)")
+        objects = [str(Path(tmp) / f"{s.stem}.o") for s in SOURCES]
+        procs = [_run([cxx, *_FLAGS, *includes, "-c", str(s), "-o", o])
+                 for s, o in zip(SOURCES, objects)]
+        for proc, src in zip(procs, SOURCES):
+            _wait(proc, f"{cxx} {src.name}")
+        lib = Path(tmp) / "lib.so"
+        _wait(_run([cxx, "-shared", "-fopenmp", *objects, "-o", str(lib), *libs]), "link")
+        os.replace(lib, target)
+    return target
+
+
+def _fake_int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
+def _fake_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                  float_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scale.shape[0],
+                       dtype=torch.float32 if float_out else x.dtype)
+
+
+def _fake_bf16_mm(x: torch.Tensor, packed: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 16,
+                       dtype=torch.float32 if float_out else x.dtype)
+
+
+def _fake_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, valid: torch.Tensor, scale: float,
+                       softcap: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def _load() -> bool:
+    if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
+        logger.info("native CPU kernels disabled (LLMSERVE_NATIVE_KERNELS=0)")
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    missing = REQUIRED_CPU_FLAGS - cpu_flags()
+    if missing:
+        logger.info("native CPU kernels need %s: using PyTorch's kernels",
+                    ", ".join(sorted(missing)))
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found: llmserve's native CPU kernels are not built "
+                       "(int4 products and decode attention use slower PyTorch kernels)")
+        return False
+    try:
+        torch.ops.load_library(str(build(cxx)))
+        if not torch.ops.llmserve_native.cpu_supported():
+            return False
+        if not _state.get("fakes"):
+            torch.library.register_fake("llmserve_native::int4_mm")(_fake_int4_mm)
+            torch.library.register_fake("llmserve_native::int4_a8_mm")(_fake_int4_mm)
+            torch.library.register_fake("llmserve_native::int8_mm")(_fake_int8_mm)
+            torch.library.register_fake("llmserve_native::int8_a8_mm")(_fake_int8_mm)
+            torch.library.register_fake("llmserve_native::bf16_mm")(_fake_bf16_mm)
+            torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
+            _state["fakes"] = True
+    except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
+        logger.warning("llmserve's native CPU kernels are unavailable (%s): using PyTorch's",
+                       exc)
+        return False
+    return True
+
+
+def native_available() -> bool:
+    """The native library is built and loaded on this machine (decided once per process)."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return _state["ok"]
+
+
+def kernel_checked(name: str, self_test: Callable[[], bool],
+                   supported: Callable[[], bool] = lambda: True) -> bool:
+    """The library is loaded, ``supported()`` (CPU features a kernel needs beyond the
+    library's) holds and ``self_test`` (the kernel ``name`` against its PyTorch reference)
+    passed: decided once per process and kernel; a failed self-test is logged."""
+    if name not in _self_tests:
+        runs = native_available() and supported()
+        ok = runs and self_test()
+        if runs and not ok:
+            logger.warning("native %s kernel failed its self-test: PyTorch's kernels are used",
+                           name)
+        _self_tests[name] = ok
+    return _self_tests[name]
+
+
+def a8_supported() -> bool:
+    """The CPU has what the int8-activation kernels (``int4_a8_mm``, ``int8_a8_mm``) need
+    beyond the library's features: AVX512-VNNI (the library's own check)."""
+    return bool(torch.ops.llmserve_native.a8_supported())
+
+
+def cut_padding(y: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` columns of a product whose N the packing padded to a strip multiple."""
+    return y if y.shape[1] == n else y[:, :n]
+
+
+def pair_strips(w: torch.Tensor) -> torch.Tensor:
+    """``w (N, K)`` in the native kernels' pair layout, ``(ceil(N/16), K*16)``: strips of 16
+    output rows, each as K/2 vectors of (k, k+1) pairs (element ``2c + t`` of vector ``j`` is
+    ``w[16s + c][2j + t]``). N is padded with zero rows; K must be even."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"the native pair layout needs an even K, got {k}")
+    pad = -n % 16
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    strips = (n + pad) // 16
+    return w.reshape(strips, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(strips, k * 16)

@@ -1,0 +1,221 @@
+"""Speculative decoding on the engine side: who speculates, how far, and what it yielded
+(no torch).
+
+Each step, before scheduling, :meth:`SpeculativeDecoder.propose` gives every running
+decode a draft (``Request.spec_token_ids``) from the proposers of spec_decode/proposers.py
+(or a draft model). The scheduler counts ``k + 1`` tokens of the budget for a sequence with
+``k`` drafts and reserves KV slots for them without registering them in the prefix cache;
+the runner verifies the drafts (spec_decode/verifier.py) and answers with the accepted
+drafts plus one token of its own. :meth:`SpeculativeDecoder.on_step_done` then moves the
+sequence's computed position past the accepted drafts (their KV is now valid), frees the
+KV blocks that only rejected drafts used (`KVCacheManager.trim`) and updates statistics.
+
+Adaptive k, per request: an exponential moving average of the acceptance rate scales the
+request's k down from ``num_speculative_tokens``; under ``min_acceptance`` the request
+stops speculating for a back-off that doubles each time (4 .. 256 steps). Speculation is
+off for the whole step while more than ``max_batch`` sequences run: there a step is no
+longer bound by reading the weights, and verifying rejected drafts costs throughput.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from llmserve.engine.kv.kv_cache_manager import KVCacheManager
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.spec_decode.config import SpecDecodeConfig
+from llmserve.spec_decode.proposers import NgramIndex, NgramProposer, PredictionState, Proposal, Proposer
+
+logger = logging.getLogger(__name__)
+
+_EMA_WEIGHT = 0.5          # weight of the newest acceptance rate in the moving average
+_FULL_K_ACCEPTANCE = 0.6   # at or above this average acceptance a request drafts k tokens
+_MIN_BACKOFF, _MAX_BACKOFF = 4, 256
+
+
+class SpecState:
+    """Per-request speculation state (``Request.spec_state``)."""
+
+    __slots__ = ("ema", "paused_until", "backoff", "prediction", "ngram_index", "draft_probs",
+                 "from_prediction", "accepted_prediction")
+
+    def __init__(self, prediction: Optional[PredictionState] = None) -> None:
+        self.ema = 1.0
+        self.paused_until = 0
+        self.backoff = _MIN_BACKOFF
+        self.prediction = prediction
+        self.ngram_index: Optional[NgramIndex] = None
+        self.draft_probs: object = None      # the current draft's distributions (draft model)
+        self.from_prediction = False         # the current draft replays the prediction
+        self.accepted_prediction = 0
+
+    @property
+    def rejected_prediction(self) -> int:
+        """Predicted tokens that never made it into the output through verification."""
+        if self.prediction is None:
+            return 0
+        return max(0, len(self.prediction.token_ids) - self.accepted_prediction)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters: drafts verified, accepted, and the acceptance-length histogram
+    (``acceptance_lengths[a]``: verifications that accepted ``a`` drafts)."""
+
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    num_verifications: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+    def as_engine_stats(self) -> dict:
+        """The EngineStats fields of these counters."""
+        return {"spec_proposed_tokens_total": self.proposed_tokens,
+                "spec_accepted_tokens_total": self.accepted_tokens,
+                "spec_acceptance_lengths": list(self.acceptance_lengths)}
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.proposed_tokens += drafted
+        self.accepted_tokens += accepted
+        self.num_verifications += 1
+        if accepted >= len(self.acceptance_lengths):
+            self.acceptance_lengths.extend([0] * (accepted + 1 - len(self.acceptance_lengths)))
+        self.acceptance_lengths[accepted] += 1
+
+
+class SpeculativeDecoder:
+    """Proposes drafts for running decodes and settles them after verification.
+
+    ``proposer``: the engine's method (n-gram or draft model), or None to speculate only
+    for requests that bring a prediction.
+    """
+
+    def __init__(self, config: SpecDecodeConfig, proposer: Optional[Proposer] = None) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.predictor = NgramProposer(config.ngram_min, config.ngram_max, use_history=False)
+        self.stats = SpecDecodeStats()
+        self._predicted: set[str] = set()    # live requests that bring a prediction
+        self._drafted: list[Request] = []    # requests given drafts by the last propose
+
+    def prediction_state(self, request_id: str, token_ids: Sequence[int]) -> SpecState:
+        """The state of a request that brings a predicted output."""
+        cfg = self.config
+        self._predicted.add(request_id)
+        return SpecState(PredictionState(token_ids, cfg.ngram_min, cfg.ngram_max))
+
+    @property
+    def active(self) -> bool:
+        """Whether any running request can speculate (a method is on, or a prediction)."""
+        return self.proposer is not None or bool(self._predicted)
+
+    def release(self, request_id: str) -> None:
+        """A request ended: the proposer drops what it keeps for it (a draft's KV)."""
+        self._predicted.discard(request_id)
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(request_id)
+
+    # ---- before scheduling -----------------------------------------------------------
+    def propose(self, running: Sequence[Request], step: int) -> None:
+        """Set ``spec_token_ids`` of every running request (empty unless it decodes next
+        and speculates this step). O(1) when nothing can speculate."""
+        for req in self._drafted:
+            req.spec_token_ids = []
+        self._drafted = []
+        if not self.active or len(running) > self.config.max_batch:
+            return
+        plain: list[Request] = []
+        plain_k: list[int] = []
+        predicted: list[Request] = []
+        predicted_k: list[int] = []
+        for req in running:
+            if req.num_tokens - req.num_computed_tokens != 1 or _constrained(req):
+                continue
+            state = req.spec_state
+            if state is None:
+                if self.proposer is None:
+                    continue
+                state = req.spec_state = SpecState()
+            k = self._num_drafts(req, state, step)
+            if k <= 0:
+                continue
+            if state.prediction is not None:
+                predicted.append(req)
+                predicted_k.append(k)
+            elif self.proposer is not None:
+                plain.append(req)
+                plain_k.append(k)
+        if predicted:
+            for req, k, prop in zip(predicted, predicted_k,
+                                    self.predictor.propose(predicted, predicted_k)):
+                if prop.token_ids:
+                    self._set(req, prop, k)
+                elif self.proposer is not None:
+                    plain.append(req)
+                    plain_k.append(k)
+        if plain:
+            for req, k, prop in zip(plain, plain_k, self.proposer.propose(plain, plain_k)):
+                self._set(req, prop, k)
+
+    def _set(self, req: Request, prop: Proposal, k: int) -> None:
+        self._drafted.append(req)
+        state = req.spec_state
+        req.spec_token_ids = list(prop.token_ids[:k])
+        state.draft_probs = prop.draft_probs
+        state.from_prediction = prop.from_prediction
+
+    def _num_drafts(self, req: Request, state: SpecState, step: int) -> int:
+        cfg = self.config
+        k = cfg.num_speculative_tokens
+        if cfg.adaptive:
+            if step < state.paused_until:
+                return 0
+            if state.ema < _FULL_K_ACCEPTANCE:
+                k = max(1, round(k * state.ema / _FULL_K_ACCEPTANCE))
+        # never draft past max_tokens or the context: the last position is sampled
+        return min(k, req.max_total_tokens - req.num_tokens - 1)
+
+    # ---- after the step --------------------------------------------------------------
+    def on_step_done(self, sched, result, kv: KVCacheManager, step: int) -> None:
+        """Settle the verified drafts of a step (``sched``: SchedulerOutput, ``result``:
+        StepOutput) before its tokens are appended."""
+        drafted = [s for s in sched.scheduled if s.num_draft_tokens]
+        if not drafted:
+            return
+        where = {rid: i for i, rid in enumerate(result.request_ids)}
+        for s in drafted:
+            req = s.request
+            i = where.get(req.request_id)
+            if i is None or req.status is not RequestStatus.RUNNING:
+                continue  # failed or requeued in this step: it will be recomputed
+            accepted = len(result.token_ids[i]) - 1
+            if not 0 <= accepted <= s.num_draft_tokens:
+                raise RuntimeError(f"runner returned {accepted + 1} tokens for "
+                                   f"{req.request_id} with {s.num_draft_tokens} drafts")
+            req.num_computed_tokens += accepted
+            kv.trim(req, req.num_tokens + accepted + 1)
+            req.spec_token_ids = []
+            self.stats.record(s.num_draft_tokens, accepted)
+            state = req.spec_state
+            if state is not None:
+                if state.from_prediction:
+                    state.accepted_prediction += accepted
+                self._adapt(state, accepted / s.num_draft_tokens, step)
+
+    def _adapt(self, state: SpecState, rate: float, step: int) -> None:
+        state.ema = (1 - _EMA_WEIGHT) * state.ema + _EMA_WEIGHT * rate
+        if not self.config.adaptive:
+            return
+        if state.ema < self.config.min_acceptance:
+            state.paused_until = step + state.backoff
+            state.backoff = min(2 * state.backoff, _MAX_BACKOFF)
+            state.ema = _FULL_K_ACCEPTANCE / 2   # resume carefully: a short draft
+        elif rate >= 0.5:
+            state.backoff = max(_MIN_BACKOFF, state.backoff // 2)
+
+
+def _constrained(req: Request) -> bool:
+    """Requests under a grammar or with logit_bias do not speculate: the verifier scores
+    drafts with the unadjusted distribution, so their drafts could break the constraint."""
+    return req.sampling_params.adjusts_logits

@@ -1,0 +1,132 @@
+"""Speculative decoding on a real (tiny, random) model: greedy outputs token-identical to
+decoding without speculation (mixed batches, penalties, logprobs, preemption), and sampled
+outputs that follow the target distribution (chi-square against exact probabilities)."""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.model.tiny_checkpoints import make_tiny_checkpoint
+
+# repetitive prompts: the n-gram proposer finds matches in them
+PROMPTS = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [7, 8, 9] * 5, list(range(100, 117)),
+           [55, 56, 55, 56, 55, 56, 57, 55, 56], [300 + (i * 7) % 11 for i in range(23)]]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_spec")), arch="llama",
+                                num_heads=4, num_kv_heads=2, seed=5)
+
+
+def _llm(path, spec: bool, **kw):
+    args = dict(dtype="float32", num_kv_blocks=128, block_size=4, check_invariants=True)
+    if spec:
+        args.update(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1,
+                    ngram_max=3)
+    args.update(kw)
+    return LLM(path, **args)
+
+
+def _mixed_params():
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    return [greedy,
+            SamplingParams(max_tokens=33, temperature=0, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                           repetition_penalty=1.3, presence_penalty=0.2),
+            greedy,
+            SamplingParams(max_tokens=25, temperature=0, ignore_eos=True, min_tokens=20,
+                           stop_token_ids=[43, 56])]
+
+
+def test_greedy_identical_with_ngram_speculation(tiny_path):
+    params = _mixed_params()
+    ref = _llm(tiny_path, spec=False).generate(PROMPTS, params)
+    llm = _llm(tiny_path, spec=True)
+    got = llm.generate(PROMPTS, params)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == r.outputs[0].finish_reason
+    lp_ref = [lp for lp in ref[1].outputs[0].logprobs]
+    lp_got = [lp for lp in got[1].outputs[0].logprobs]
+    assert [t.token_id for t in lp_got] == [t.token_id for t in lp_ref]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(lp_got, lp_ref))
+    assert [[x.token_id for x in t.top_logprobs] for t in lp_got] == \
+        [[x.token_id for x in t.top_logprobs] for t in lp_ref]
+    stats = llm.engine.spec.stats
+    assert stats.accepted_tokens > 10, stats
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_greedy_identical_through_preemption(tiny_path):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_path, spec=False).generate(PROMPTS, params)]
+    tight = _llm(tiny_path, spec=True, num_kv_blocks=30, max_num_batched_tokens=24)
+    got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params)]
+    assert tight.get_stats().num_preemptions > 0
+    assert tight.engine.spec.stats.accepted_tokens > 0
+    assert got == ref
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: Counter, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic, bins with expected count < 5 merged into one; (stat, df)."""
+    stat, df, low_obs, low_exp = 0.0, -1, 0, 0.0
+    for key, p in expected.items():
+        e = n * p
+        if e < 5:
+            low_obs += counts.get(key, 0)
+            low_exp += e
+            continue
+        stat += (counts.get(key, 0) - e) ** 2 / e
+        df += 1
+    if low_exp > 0:
+        stat += (low_obs - low_exp) ** 2 / max(low_exp, 1e-9)
+        df += 1
+    return stat, df
+
+
+def test_sampled_outputs_follow_the_target_distribution(tiny_path):
+    """A 4-token vocabulary (the runner samples from the first 4 logits): the exact
+    probability of every 3-token continuation against sampling with n-gram drafts."""
+    vocab = 4
+    prompt = [0, 1, 3, 0, 1, 3, 0, 1]
+    exact_llm = _llm(tiny_path, spec=False, num_kv_blocks=256)
+    exact_llm.engine.runner.sample_vocab_size = vocab
+    probe = SamplingParams(max_tokens=1, temperature=0, logprobs=vocab, ignore_eos=True)
+    prefixes = [()] + [(a,) for a in range(vocab)] + list(itertools.product(range(vocab), repeat=2))
+    outs = exact_llm.generate([prompt + list(p) for p in prefixes], probe)
+    cond = {p: {t.token_id: math.exp(t.logprob) for t in o.outputs[0].logprobs[0].top_logprobs}
+            for p, o in zip(prefixes, outs)}
+    expected = {seq: cond[()][seq[0]] * cond[seq[:1]][seq[1]] * cond[seq[:2]][seq[2]]
+                for seq in itertools.product(range(vocab), repeat=3)}
+    assert abs(sum(expected.values()) - 1) < 1e-4
+
+    llm = _llm(tiny_path, spec=True, num_kv_blocks=512, max_num_seqs=64,
+               speculative_max_batch=64, check_invariants=False)
+    llm.engine.runner.sample_vocab_size = vocab
+    n = 2000
+    params = SamplingParams(n=n, max_tokens=3, temperature=1.0, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    counts = Counter(tuple(c.token_ids) for c in out.outputs)
+    stats = llm.engine.spec.stats
+    assert stats.proposed_tokens > 500 and 0 < stats.accepted_tokens < stats.proposed_tokens
+    stat, df = chi_square(counts, expected, n)
+    assert stat < _chi2_critical(df), (stat, df, counts.most_common(8))
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_path):
+    llm = _llm(tiny_path, spec=True)
+    p = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], p)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 3
+    mixed = llm.generate([PROMPTS[1]] + PROMPTS[2:5], [p] + others)[0].outputs[0].token_ids
+    assert mixed == alone and len(alone) == 20

@@ -1,0 +1,1 @@
+"""Tools run from a checkout, outside the installed package."""
