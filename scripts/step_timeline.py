@@ -65,7 +65,7 @@ def main(argv: "list[str] | None" = None) -> int:
             engine.step()
             steps.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
-        budget = engine.config.max_num_batched_tokens
+        budget = engine.config.scheduler.max_num_batched_tokens
         prompt_steps = -(-args.num_prompts * args.input_len // budget)
         decode = sorted(steps[prompt_steps:]) or [0.0]
         tokens = args.num_prompts * args.output_len

@@ -130,7 +130,7 @@ class AsyncLLM:
         self.model_name = engine.model_name
         self.fingerprint = engine.system_fingerprint
         self.max_model_len = engine.max_model_len
-        self.block_size = engine.config.block_size
+        self.block_size = engine.config.cache.block_size
         self._stats = engine.get_stats()
 
     def _run(self, factory: Optional[Callable[[], LLMEngine]]) -> None:

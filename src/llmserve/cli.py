@@ -102,7 +102,7 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
+    return EngineConfig.from_kwargs(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
         kv_cache_commit_tokens=args.kv_cache_commit_tokens,
@@ -151,7 +151,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from llmserve.async_llm import AsyncLLM
     from llmserve.server.launch import serve
@@ -174,8 +173,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engines = {}
     try:
         if args.fallback_model:
-            fallback = AsyncLLM.from_config(dataclasses.replace(
-                config, model=None if args.fallback_model == "default" else args.fallback_model,
+            fallback = AsyncLLM.from_config(config.replace(
+                model=None if args.fallback_model == "default" else args.fallback_model,
                 lora_modules=(), max_loras=0))   # adapters belong to the main model
             fallback_name = args.fallback_name or fallback.model_name
             if fallback_name in (names or [engine.model_name]):

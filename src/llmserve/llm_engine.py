@@ -22,11 +22,11 @@ from llmserve.engine.core import EngineCore, SequenceUpdate
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.request import Request
-from llmserve.engine.scheduler import Scheduler, SchedulerConfig
+from llmserve.engine.scheduler import Scheduler
 from llmserve.lora.engine_loras import EngineLoras
 from llmserve.protocol import EngineStats, FinishReason, RequestOutput, TokenLogprob, priority_value
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.wiring import build_speculation
+from llmserve.spec_decode.wiring import TargetModel, build_speculation
 from llmserve.structured_output.compiler import GrammarCompiler
 from llmserve.tokenizer.tokenizer import Tokenizer
 
@@ -56,17 +56,17 @@ class LLMEngine:
         from llmserve.model.loading.loader import open_checkpoint
 
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model.path)
         t0 = time.time()
         ckpt = open_checkpoint(self.model_path)
         self.model_config = ckpt.config
         self.tokenizer = Tokenizer.from_path(self.model_path)
         model_len = ckpt.config.max_position_embeddings
-        if config.max_model_len is not None:
-            if config.max_model_len > model_len:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+        if config.model.max_model_len is not None:
+            if config.model.max_model_len > model_len:
+                raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
                                  f"context of {model_len}")
-            model_len = config.max_model_len
+            model_len = config.model.max_model_len
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         gen_eos = ckpt.generation_config.get("eos_token_id")
         if isinstance(gen_eos, int):
@@ -86,7 +86,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         self.dtype = str(self.runner.dtype).replace("torch.", "")
         self.kv_dtype = str(self.runner.kv_dtype).replace("torch.", "")
-        pool_tokens = self.runner.num_blocks * config.block_size
+        pool_tokens = self.runner.num_blocks * config.cache.block_size
         if pool_tokens < model_len:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no more",
                            model_len, pool_tokens)
@@ -94,24 +94,19 @@ class LLMEngine:
         self.max_model_len = model_len
         self.weights_fingerprint = ckpt.weights_fingerprint
         self.fingerprint = self._fingerprint(ckpt.config, self.weights_fingerprint)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, self.fingerprint,
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching, self.fingerprint,
                                  committed_blocks=self.runner.committed_blocks)
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
-            aging_rate=config.aging_rate,
-            preemption_cooldown_steps=config.preemption_cooldown_steps,
-            admission_watermark_blocks=max(1, self.runner.num_blocks // 100),
-            max_loras=config.max_loras,
-        )
-        self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.spec = build_speculation(config, self)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_loras=config.lora.max_loras,
+                                   admission_watermark_blocks=max(1, self.runner.num_blocks // 100))
+        self.spec = build_speculation(config, TargetModel(
+            self.tokenizer.fingerprint, self.vocab_size, self.max_model_len,
+            frozenset(self.eos_token_ids), self.runner.num_blocks))
         self.core = EngineCore(self.scheduler, self.executor, OutputProcessor(self.tokenizer),
                                check_invariants=check_invariants, spec=self.spec)
         self.model_name = _model_name(self.model_path)
-        self.loras = EngineLoras(self, config)   # LoRA adapters (docs/LORA.md)
+        self.loras = EngineLoras(config, self.runner.lora, self.scheduler, self.model_name,
+                                 self.fingerprint)   # LoRA adapters (docs/LORA.md)
         self.executor.warmup()
         self._requests: dict[str, UserRequest] = {}
         self._child_parent: dict[str, str] = {}
@@ -129,7 +124,7 @@ class LLMEngine:
             "tokenizer": self.tokenizer.fingerprint,
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
-            "block_size": self.config.block_size,
+            "block_size": self.config.cache.block_size,
         }
         blob = json.dumps(parts, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
@@ -274,15 +269,9 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        stats = self.core.stats()
-        masks = self.runner.adjuster.matchers
-        stats.grammar_mask_seconds_total = masks.mask_seconds_total
-        stats.grammar_mask_steps_total = masks.mask_steps_total
-        stats.grammar_mask_rows_total = masks.mask_rows_total
-        stats.grammar_compile_seconds_total = self.grammars.compile_seconds_total
-        stats.grammar_cache_hits = self.grammars.hits
-        stats.grammar_cache_misses = self.grammars.misses
-        return stats
+        """The core's counters plus each part's own (grammar compiles; masks in the runner)."""
+        return dataclasses.replace(self.core.stats(), **self.grammars.as_engine_stats(),
+                                   **self.runner.grammar_stats())
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

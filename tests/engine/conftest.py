@@ -20,7 +20,9 @@ class Clock:
 def make_core(num_blocks=64, caching=True, clock=None, **sched_kwargs) -> EngineCore:
     """An engine core on a fake runner; ``core.schedules`` records every SchedulerOutput."""
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching, fingerprint="test")
-    sched = Scheduler(SchedulerConfig(**sched_kwargs), kv, clock=clock or Clock())
+    extra = {k: sched_kwargs.pop(k) for k in ("max_loras", "admission_watermark_blocks")
+             if k in sched_kwargs}   # the scheduler's own arguments, not config
+    sched = Scheduler(SchedulerConfig(**sched_kwargs), kv, clock=clock or Clock(), **extra)
     core = EngineCore(sched, FakeRunner(block_size=BLOCK), OutputProcessor(CharTokenizer()),
                       check_invariants=True)
     core.schedules = []

@@ -32,7 +32,9 @@ def poison(exc_type=RuntimeError):
 
 def make(fail_if=None, num_blocks=256, **sched_kw) -> EngineCore:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True, fingerprint="t")
-    sched = Scheduler(SchedulerConfig(**sched_kw), kv, clock=Clock())
+    extra = {k: sched_kw.pop(k) for k in ("max_loras", "admission_watermark_blocks")
+             if k in sched_kw}
+    sched = Scheduler(SchedulerConfig(**sched_kw), kv, clock=Clock(), **extra)
     return EngineCore(sched, FakeRunner(fail_if=fail_if), OutputProcessor(CharTokenizer()),
                       check_invariants=True)
 

@@ -87,7 +87,7 @@ def test_preemption_picks_lowest_priority_latest_arrival(clock):
                          start_tok=200))
     core.add_request(req("lo-late", 7, max_tokens=10, priority=2, arrival=clock.t - 1,
                          start_tok=300))
-    core.scheduler.config.admission_watermark_blocks = 0
+    core.scheduler.admission_watermark_blocks = 0
     core.step()
     assert core.kv.num_free_blocks == 0
     preempted = []

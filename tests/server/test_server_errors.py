@@ -28,6 +28,9 @@ BAD_BODIES = [
     ("temperature-string", CHAT, chat_body(temperature="hot"), 400, "temperature", "invalid_type"),
     ("max-tokens-float", CHAT, chat_body(max_tokens=5.5), 400, "max_tokens", "invalid_type"),
     ("n-bool", CHAT, chat_body(n=True), 400, "n", "invalid_type"),
+    ("n-zero", CHAT, chat_body(n=0), 400, "n", "invalid_value"),
+    ("n-zero-completions", COMPLETIONS, {"prompt": "x", "max_tokens": 2, "n": 0}, 400, "n",
+     "invalid_value"),
     ("messages-not-list", CHAT, {"messages": "hello"}, 400, "messages", None),
     ("empty-messages", CHAT, {"messages": []}, 400, "messages", None),
     ("missing-messages", CHAT, {"model": None}, 400, "messages", None),
@@ -96,6 +99,14 @@ def test_bad_input_gets_openai_error(server: LiveServer, case: tuple) -> None:
     else:
         resp = post(server, path, json=body)
     assert_openai_error(resp, status, param=param, code=code)
+
+
+def test_empty_suffix_is_no_suffix(server: LiveServer) -> None:
+    """The schema allows any string; "" asks for nothing after the completion, so it is
+    served like no suffix (a non-empty one needs fill-in-the-middle tokens)."""
+    r = post(server, COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "suffix": ""})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_context_length_exceeded_by_prompt(server: LiveServer) -> None:
@@ -186,3 +197,15 @@ def test_ready_and_health(fake_server: LiveServer) -> None:
         assert httpx.get(fake_server.url("/health")).status_code == 200
     finally:
         fake_server.engine.ready = True
+
+
+def test_openapi_documents_what_the_routes_answer(server: LiveServer) -> None:
+    """/metrics is Prometheus text (not JSON) and /v1/models/{id} may answer 404, as served."""
+    spec = httpx.get(server.url("/openapi.json"), timeout=30).json()
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain; version=0.0.4; charset=utf-8"]
+    assert httpx.get(server.url("/metrics"), timeout=30).headers["content-type"].startswith(
+        "text/plain")
+    model = spec["paths"]["/v1/models/{model_id}"]["get"]["responses"]
+    assert "404" in model
+    assert httpx.get(server.url("/v1/models/nope"), timeout=30).status_code == 404

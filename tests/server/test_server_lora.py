@@ -39,7 +39,7 @@ def engine(tiny) -> Iterator[Any]:
     from llmserve.async_llm import AsyncLLM
     from llmserve.config import EngineConfig
 
-    config = EngineConfig(model=tiny[0], dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+    config = EngineConfig.from_kwargs(model=tiny[0], dtype="float32", num_kv_blocks=64, max_num_seqs=8,
                           max_loras=2, lora_modules=(("a", tiny[1]),))
     eng = AsyncLLM.from_config(config)
     yield eng
@@ -148,7 +148,7 @@ def test_an_engine_without_lora_says_how_to_enable_it(tiny, start_server):
     from llmserve.async_llm import AsyncLLM
     from llmserve.config import EngineConfig
 
-    plain = AsyncLLM.from_config(EngineConfig(model=tiny[0], dtype="float32", num_kv_blocks=16))
+    plain = AsyncLLM.from_config(EngineConfig.from_kwargs(model=tiny[0], dtype="float32", num_kv_blocks=16))
     try:
         live = start_server(plain, served_model_names=["base"])
         r = httpx.post(live.url("/v1/load_lora_adapter"),

@@ -17,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "Repeat: the cat sat on the mat."}]
 def tiny_engine(tmp_path_factory):
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("pred")), arch="llama",
                                 num_heads=4, num_kv_heads=2, seed=5)
-    engine = AsyncLLM.from_config(EngineConfig(model=path, dtype="float32", num_kv_blocks=256,
+    engine = AsyncLLM.from_config(EngineConfig.from_kwargs(model=path, dtype="float32", num_kv_blocks=256,
                                                block_size=4, device="cpu"))
     yield engine
     engine.shutdown()

@@ -30,7 +30,7 @@ def tiny_server(tmp_path_factory) -> Iterator[LiveServer]:
 
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("so") / "tiny"), arch="llama",
                                 seed=3)
-    engine = AsyncLLM.from_config(EngineConfig(
+    engine = AsyncLLM.from_config(EngineConfig.from_kwargs(
         model=path, max_model_len=512, num_kv_blocks=2048, block_size=16, max_num_seqs=128,
         max_num_batched_tokens=4096, device="cpu", enforce_eager=True,
         num_threads=int(os.environ.get("LLMSERVE_TEST_THREADS", "2"))))
@@ -355,6 +355,38 @@ def test_metrics_report_grammar_mask_time(tiny_server):
     assert metric_value(text, "llmserve_grammar_mask_seconds_total") > 0
     assert metric_value(text, "llmserve_grammar_mask_rows_total") >= 4
     assert metric_value(text, "llmserve_grammar_cache_misses_total") >= 1
+
+
+@pytest.mark.parametrize("spec,what", [({"regex": "[a&&b]"}, "regex"),
+                                       ({"grammar": 'start: x\nx: x "a"'}, "grammar")])
+def test_unsatisfiable_constraints_say_so(tiny_server, spec, what):
+    """A regex or grammar that no string matches is a 400 that says so, not the library's
+    internal word (llguidance's NoExtensionBias)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client(tiny_server).completions.create(model="", prompt="c", max_tokens=4,
+                                               extra_body={"structured_outputs": spec})
+    message = info.value.body["message"]
+    assert f"no string matches this {what}" in message and "NoExtensionBias" not in message
+
+
+def test_min_tokens_does_not_hold_a_finished_grammar_open(tiny_server):
+    """A grammar row ends at the EOS its complete grammar forces, whatever min_tokens says,
+    and bills only the tokens it emitted (issue: 'yes' plus 49 end-of-turn tokens)."""
+    for endpoint in ("completions", "chat"):
+        if endpoint == "chat":
+            resp = client(tiny_server).chat.completions.create(
+                model="", messages=[{"role": "user", "content": "yes or no?"}], max_tokens=50,
+                temperature=0, extra_body={"structured_outputs": {"choice": ["yes"]},
+                                           "min_tokens": 50})
+            text = resp.choices[0].message.content
+        else:
+            resp = client(tiny_server).completions.create(
+                model="", prompt="c", max_tokens=50, temperature=0,
+                extra_body={"structured_outputs": {"choice": ["yes"]}, "min_tokens": 50})
+            text = resp.choices[0].text
+        assert text == "yes", endpoint
+        assert resp.choices[0].finish_reason == "stop", endpoint
+        assert resp.usage.completion_tokens < 10, (endpoint, resp.usage)
 
 
 def test_min_tokens_and_ignore_eos_do_not_break_a_finished_grammar(tiny_server):

@@ -11,7 +11,6 @@ background load on a shared machine hits all of them alike. Reported: median and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import tempfile
@@ -52,14 +51,14 @@ def write_random_adapter(folder: str, mc, rank: int, seed: int) -> str:
 def cmd_lora(args: argparse.Namespace, make_config: Callable) -> int:
     from llmserve.llm_engine import LLMEngine
 
-    base = dataclasses.replace(make_config(args), lora_modules=(), max_loras=0)
+    base = make_config(args).replace(lora_modules=(), max_loras=0)
     engines = {"off": LLMEngine(base)}
     mc = engines["off"].model_config
     folder = tempfile.mkdtemp(prefix="llmserve-bench-lora-")
     modules = tuple((f"bench{i}", write_random_adapter(os.path.join(folder, f"a{i}"), mc,
                                                         args.rank, i))
                     for i in range(args.num_adapters))
-    lora_cfg = dataclasses.replace(base, lora_modules=modules, max_loras=args.num_adapters,
+    lora_cfg = base.replace(lora_modules=modules, max_loras=args.num_adapters,
                                    max_lora_rank=args.rank)
     for name in VARIANTS[1:]:
         engines[name] = LLMEngine(lora_cfg)

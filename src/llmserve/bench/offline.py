@@ -118,7 +118,7 @@ def cmd_offline(args: argparse.Namespace, make_config: Callable) -> int:
                            "input_tokens": [args.input_min, args.input_max],
                            "output_tokens": [args.output_min, args.output_max],
                            "output_dist": args.output_dist, "output_mean": args.output_mean,
-                           "seed": args.seed, "concurrency": cfg.max_num_seqs,
+                           "seed": args.seed, "concurrency": cfg.scheduler.max_num_seqs,
                            "dtype": llm.engine.dtype, "kv_dtype": llm.engine.kv_dtype,
                            "quantization": llm.engine.runner.quantization},
               "llmserve": ours}
@@ -132,13 +132,13 @@ def cmd_offline(args: argparse.Namespace, make_config: Callable) -> int:
                                           llm.engine.kv_dtype)
         print(format_gate(result["quality_gate"]))
     if not args.skip_baseline:
-        base = run_transformers_static(llm.engine.model_path, wl, cfg.max_num_seqs,
+        base = run_transformers_static(llm.engine.model_path, wl, cfg.scheduler.max_num_seqs,
                                        llm.engine.dtype)
         result["transformers_static"] = base
         result["ratio"] = ours["output_tok_s"] / base["output_tok_s"]
         print(f"transformers  : {base['output_tok_s']:8.1f} output tok/s "
               f"({base['output_tokens']} useful tokens in {base['seconds']:.1f}s, "
-              f"static batches of {cfg.max_num_seqs})")
+              f"static batches of {cfg.scheduler.max_num_seqs})")
         print(f"ratio         : {result['ratio']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
@@ -180,7 +180,6 @@ def run_prefix_workload(llm, prefix: list[int], suffixes: list[list[int]], max_t
 
 
 def cmd_prefix(args: argparse.Namespace, make_config: Callable) -> int:
-    from dataclasses import replace
 
     from llmserve.llm import LLM
 
@@ -188,8 +187,8 @@ def cmd_prefix(args: argparse.Namespace, make_config: Callable) -> int:
     rng = random.Random(args.seed)
     results = {}
     for label, enabled in (("prefix_cache_on", True), ("prefix_cache_off", False)):
-        cfg = replace(base_cfg, enable_prefix_caching=enabled)
-        llm = LLM(**asdict(cfg))
+        cfg = base_cfg.replace(enable_prefix_caching=enabled)
+        llm = LLM(**cfg.flags())
         vocab = llm.engine.model_config.vocab_size
         rng = random.Random(args.seed)
         prefix = [rng.randrange(1000, vocab) for _ in range(args.prefix_len)]

@@ -10,7 +10,6 @@ the median, and the weight bytes resident.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -66,7 +65,7 @@ def cmd_quant(args: argparse.Namespace, make_config: Callable) -> int:
     base = make_config(args)
     engines = {}
     for q in args.quantizations.split(","):
-        engines[q] = LLMEngine(dataclasses.replace(base, quantization=q.strip()))
+        engines[q] = LLMEngine(base.replace(quantization=q.strip()))
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for b in batches:

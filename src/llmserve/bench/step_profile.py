@@ -146,8 +146,8 @@ def cmd_step(args: argparse.Namespace, make_config: Callable) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = {}
     for b in batches:
-        if b > config.max_num_seqs:
-            raise SystemExit(f"batch {b} exceeds --max-num-seqs {config.max_num_seqs}")
+        if b > config.scheduler.max_num_seqs:
+            raise SystemExit(f"batch {b} exceeds --max-num-seqs {config.scheduler.max_num_seqs}")
         rows[b] = profile_batch(engine, b, args.prompt_len, args.steps, args.trace)
     mode = "compiled" if runner.compiled is not None and not runner.compiled.failed else "eager"
     print(f"model {engine.model_name}  dtype {engine.dtype}  kv {engine.kv_dtype}  {mode}  "

@@ -22,23 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from llmserve.config import SchedulerConfig
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.lora.registry import AdapterStepBudget
 from llmserve.protocol import FinishReason
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_tokens_per_step: Optional[int] = None
-    aging_rate: float = 0.1
-    preemption_cooldown_steps: int = 4
-    admission_watermark_blocks: int = 0  # free blocks kept when admitting waiting requests
-    max_loras: int = 0                   # distinct LoRA adapters per step (0: no LoRA)
 
 
 @dataclass
@@ -91,8 +81,13 @@ class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *, max_loras: int = 0,
+                 admission_watermark_blocks: int = 0) -> None:
+        """``max_loras``: the runner's LoRA slots (distinct adapters per step, 0: no LoRA);
+        ``admission_watermark_blocks``: free blocks kept when admitting waiting requests."""
         self.config = config
+        self.max_loras = max_loras
+        self.admission_watermark_blocks = admission_watermark_blocks
         self.kv = kv
         self.clock = clock
         self.waiting: list[Request] = []
@@ -168,7 +163,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         prefill_cap = cfg.max_prefill_tokens_per_step or budget
         scheduled_ids: set[str] = set()
-        adapters = AdapterStepBudget(cfg.max_loras)   # the runner's LoRA slots
+        adapters = AdapterStepBudget(self.max_loras)   # the runner's LoRA slots
 
         # running requests by class; within a class decodes before unfinished prefills
         # (inter-token latency), then by arrival
@@ -221,7 +216,7 @@ class Scheduler:
                 num_new = min(remaining, budget, prefill_cap if remaining > 1 else remaining)
                 # the watermark keeps room for running decodes; with nothing running it
                 # would only stop a request that fits the pool from ever starting
-                reserve = cfg.admission_watermark_blocks if self.running else 0
+                reserve = self.admission_watermark_blocks if self.running else 0
                 if not self.kv.allocate_slots(request, num_new, cached, reserve=reserve):
                     break  # keep priority order: nobody jumps a request that does not fit
                 first_time = request.num_cached_tokens < 0

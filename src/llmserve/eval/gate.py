@@ -52,7 +52,7 @@ class ConfigResult:
 def _engine(model: Optional[str], settings: dict, window: int, num_threads: Optional[int]):
     from llmserve.llm_engine import LLMEngine
 
-    cfg = EngineConfig(model=model, enable_prefix_caching=False, enforce_eager=True,
+    cfg = EngineConfig.from_kwargs(model=model, enable_prefix_caching=False, enforce_eager=True,
                        num_kv_blocks=max(64, 2 * window // 16 + 8), block_size=16,
                        max_num_batched_tokens=max(2048, window), max_num_seqs=len(PROMPTS),
                        num_threads=num_threads, **settings)

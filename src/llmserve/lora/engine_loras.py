@@ -12,7 +12,7 @@ retries once those requests finished, so no request ever loses its adapter mid-w
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 from llmserve.config import EngineConfig
 from llmserve.lora.registry import LoraError, LoraInUse, LoraNotFound, LoraRef, LoraRegistry, lora_fingerprint
@@ -20,20 +20,45 @@ from llmserve.lora.registry import LoraError, LoraInUse, LoraNotFound, LoraRef, 
 logger = logging.getLogger(__name__)
 
 
+class AdapterSlots(Protocol):
+    """The runner's side of the adapters (``LoraManager``): their tensors."""
+
+    def register(self, ref: LoraRef) -> None: ...
+
+    def unregister(self, ref: LoraRef) -> None: ...
+
+
+class RequestTable(Protocol):
+    """Where the engine's live requests are (the scheduler)."""
+
+    requests: Mapping[str, Any]
+
+
 class EngineLoras:
     """Loaded adapters of one engine (empty and disabled when ``max_loras`` is 0)."""
 
-    def __init__(self, engine: Any, config: EngineConfig) -> None:
-        self.engine = engine
+    def __init__(self, config: EngineConfig, slots: Optional[AdapterSlots],
+                 scheduler: RequestTable, model_name: str, fingerprint: str) -> None:
+        """``slots``: the runner's LoRA manager (None without ``max_loras``); ``scheduler``:
+        where the engine's requests are (an adapter in use is never unloaded)."""
+        self.slots = slots
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.base_fingerprint = fingerprint
         self.registry: Optional[LoraRegistry] = None
-        if config.max_loras > 0:
-            self.registry = LoraRegistry(config.max_loras, config.max_lora_rank)
-        for name, path in config.lora_modules:
+        if config.lora.max_loras > 0:
+            self.registry = LoraRegistry(config.lora.max_loras, config.lora.max_lora_rank)
+        for name, path in config.lora.lora_modules:
             self.add(name, path)
 
     @property
     def enabled(self) -> bool:
         return self.registry is not None
+
+    def _slots(self) -> AdapterSlots:
+        if self.slots is None:   # the registry exists only with slots (max_loras > 0)
+            raise LoraError("LoRA adapters are not enabled on this engine")
+        return self.slots
 
     def _registry(self) -> LoraRegistry:
         if self.registry is None:
@@ -53,12 +78,12 @@ class EngineLoras:
     def add(self, name: str, path: str) -> LoraRef:
         """Validate ``path`` (a PEFT folder), load its tensors into host memory, register it."""
         registry = self._registry()
-        if name == self.engine.model_name:
+        if name == self.model_name:
             raise LoraError(f"a LoRA adapter cannot take the base model's name {name!r}")
         if registry.get(name) is not None:
             raise LoraError(f"a LoRA adapter named {name!r} is already loaded")
         ref = registry.read(name, path)
-        self.engine.runner.lora.register(ref)
+        self._slots().register(ref)
         registry.add(ref)
         logger.info("LoRA adapter %s loaded from %s (rank %d, %s, hash %s)", name, ref.path,
                     ref.rank, ",".join(ref.target_modules), ref.short_hash)
@@ -70,14 +95,14 @@ class EngineLoras:
         ref = registry.get(name)
         if ref is None:
             raise LoraNotFound(f"no LoRA adapter named {name!r} is loaded")
-        users = sum(1 for r in self.engine.scheduler.requests.values()
+        users = sum(1 for r in self.scheduler.requests.values()
                     if r.lora is not None and r.lora.name == name)
         if users:
             raise LoraInUse(f"LoRA adapter {name!r} is used by {users} request(s); unload it "
                             "once they finished")
         registry.remove(name)
         if not any(r.content_hash == ref.content_hash for r in registry.list()):
-            self.engine.runner.lora.unregister(ref)   # same files under another name: keep
+            self._slots().unregister(ref)   # same files under another name: keep
         logger.info("LoRA adapter %s unloaded", name)
         return ref
 
@@ -86,7 +111,7 @@ class EngineLoras:
 
     def fingerprint(self, ref: LoraRef) -> str:
         """The engine fingerprint of requests under ``ref``."""
-        return lora_fingerprint(self.engine.fingerprint, ref)
+        return lora_fingerprint(self.base_fingerprint, ref)
 
     def describe(self, ref: LoraRef) -> dict[str, Any]:
         """JSON-ready facts about one adapter (for the load endpoint and /v1/models)."""

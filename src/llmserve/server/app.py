@@ -152,7 +152,9 @@ def create_app(
         return {"object": "list",
                 "data": [model_card(n) for n in names] + list(public_cards().values())}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={404: {
+        "description": "No served model has this id (OpenAI error body, code model_not_found)",
+        "content": {"application/json": {}}}})
     async def get_model(model_id: str, request: Request) -> Any:
         await authenticate(request)
         if model_id in public_cards():
@@ -166,7 +168,9 @@ def create_app(
     async def health() -> Any:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {
+        "description": "The engine is not ready yet (OpenAI error body, Retry-After)",
+        "content": {"application/json": {}}}})
     async def ready() -> Any:
         try:
             is_ready = all(bool(e.is_ready()) for e in {id(e): e for e in all_engines.values()}.values())
@@ -178,7 +182,9 @@ def create_app(
                               headers={"Retry-After": "1"})
         return JSONResponse({"status": "ready", "model": names[0]})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format",
+        "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         body = await asyncio.to_thread(metrics.render)
         return Response(content=body, media_type=CONTENT_TYPE)

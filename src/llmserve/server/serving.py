@@ -138,7 +138,7 @@ class OpenAIServing:
     def _text_prompts(self, engine: EngineClient, prompts: list[Union[str, list[int]]],
                       suffix: Optional[str] = None) -> list[list[int]]:
         tok = engine.tokenizer
-        if suffix is not None:  # fill-in-the-middle (a 400 without FIM tokens)
+        if suffix:  # fill-in-the-middle (a 400 without FIM tokens); "" is no suffix
             if not all(isinstance(p, str) for p in prompts):
                 raise bad_request("suffix needs text prompts", param="suffix")
             return [fim_prompt(tok, p, suffix) for p in prompts]  # type: ignore[arg-type]

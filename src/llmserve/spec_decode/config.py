@@ -1,22 +1,43 @@
-"""The speculative-decoding settings of an engine (no torch, no engine imports), so that
-:mod:`llmserve.config` can build them without importing the engine."""
+"""The speculative-decoding settings of an engine (no torch, no engine imports): the
+``speculative`` part of :class:`llmserve.config.EngineConfig` and the configuration of the
+engine's :class:`~llmserve.spec_decode.decoder.SpeculativeDecoder`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+METHODS = (None, "ngram", "draft")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class SpecDecodeConfig:
-    """How the engine speculates (see the module docstring)."""
+    """How the engine speculates (docs/SPECULATIVE.md).
 
+    ``method`` None still verifies the drafts a request brings (OpenAI Predicted Outputs);
+    ``ngram`` drafts by prompt lookup, ``draft`` with ``draft_model`` (same tokenizer).
+    """
+
+    method: Optional[str] = None           # CLI --speculative-method
+    draft_model: Optional[str] = None      # HF folder or .gguf of the draft (method "draft")
+    draft_quantization: str = "auto"       # the draft's weights: auto | none | int8 | int4
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
-    max_batch: int = 16
+    max_batch: int = 16                    # CLI --speculative-max-batch
     min_acceptance: float = 0.2
-    adaptive: bool = True
+    adaptive: bool = True                  # CLI --speculative-adaptive
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_method must be ngram or draft (or None); "
+                             f"got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is required by speculative_method 'draft' and used "
+                             "by nothing else")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of auto, none, int8, int4; "
+                             f"got {self.draft_quantization!r}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], "
                              f"got {self.num_speculative_tokens}")

@@ -22,7 +22,6 @@ The self-draft: the target's own checkpoint loaded again at a cheaper precision
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
@@ -38,6 +37,7 @@ from llmserve.model.sampling.sampler import Sampler, SamplingBatch, inverse_cdf_
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposers import EMPTY, Proposal
 from llmserve.spec_decode.verifier import _Extended
+from llmserve.spec_decode.wiring import TargetModel
 
 logger = logging.getLogger(__name__)
 
@@ -72,33 +72,33 @@ class DraftModelProposer:
         self.shared_generator = torch.Generator().manual_seed(seed ^ _DRAFT_SEED_SALT)
 
     @classmethod
-    def build(cls, config: EngineConfig, engine: Any) -> "DraftModelProposer":
-        """Load the draft for an engine whose tokenizer and runner are ready; a draft with
-        another tokenizer is refused with a ValueError."""
+    def build(cls, config: EngineConfig, target: TargetModel) -> "DraftModelProposer":
+        """Load the draft for ``target``; a draft with another tokenizer, or fewer
+        vocabulary rows, is refused with a ValueError."""
         from llmserve.model.executor.runner import ModelRunner
         from llmserve.model.loading.loader import open_checkpoint
         from llmserve.tokenizer.tokenizer import Tokenizer
 
-        path = resolve_model_path(config.draft_model)
+        path = resolve_model_path(config.speculative.draft_model)
         tokenizer = Tokenizer.from_path(path)
-        if tokenizer.fingerprint != engine.tokenizer.fingerprint:
+        if tokenizer.fingerprint != target.tokenizer_fingerprint:
             raise ValueError(f"draft model {path!r} has another tokenizer than the target "
                              f"model; speculative decoding needs the same one")
         ckpt = open_checkpoint(path)
-        if ckpt.config.vocab_size < engine.vocab_size:
+        if ckpt.config.vocab_size < target.vocab_size:
             raise ValueError(f"draft model {path!r} has {ckpt.config.vocab_size} vocabulary "
-                             f"rows, fewer than the target's {engine.vocab_size}")
-        target_len = engine.max_model_len
-        draft_cfg = dataclasses.replace(
-            config, model=path, quantization=config.draft_quantization, kv_cache_gib=None,
-            num_kv_blocks=engine.runner.num_blocks, speculative_method=None, draft_model=None,
+                             f"rows, fewer than the target's {target.vocab_size}")
+        target_len = target.max_model_len
+        draft_cfg = config.replace(
+            model=path, quantization=config.speculative.draft_quantization, kv_cache_gib=None,
+            num_kv_blocks=target.num_kv_blocks, speculative_method=None, draft_model=None,
             enforce_eager=True)
-        runner = ModelRunner(draft_cfg, ckpt, target_len, engine.eos_token_ids,
-                             sample_vocab_size=engine.vocab_size)
+        runner = ModelRunner(draft_cfg, ckpt, target_len, target.eos_token_ids,
+                             sample_vocab_size=target.vocab_size)
         logger.info("draft model %s: %s, %.1f MB of weights, %d KV blocks", path,
                     runner.quantization, runner.weight_bytes / 1e6, runner.num_blocks)
-        return cls(runner, runner.num_blocks, config.block_size, engine.vocab_size,
-                   engine.eos_token_ids, config.seed)
+        return cls(runner, runner.num_blocks, config.cache.block_size, target.vocab_size,
+                   target.eos_token_ids, config.model.seed)
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def release(self, rid: str) -> None:

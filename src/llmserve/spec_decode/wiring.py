@@ -8,7 +8,7 @@ Without a method the engine still speculates for requests that bring a predicted
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.spec_decode.decoder import SpeculativeDecoder
@@ -17,19 +17,30 @@ from llmserve.spec_decode.proposers import NgramProposer
 logger = logging.getLogger(__name__)
 
 
-def build_speculation(config: EngineConfig, engine: Any) -> SpeculativeDecoder:
-    """The engine's SpeculativeDecoder; ``engine`` is the LLMEngine being built (its
-    tokenizer, runner and context length are ready)."""
-    spec_cfg = config.spec_decode_config()
+@dataclass(frozen=True)
+class TargetModel:
+    """What a draft model must match of the target it drafts for (built by ``LLMEngine``
+    once the target's runner exists)."""
+
+    tokenizer_fingerprint: str
+    vocab_size: int                 # token ids the tokenizer can decode
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    num_kv_blocks: int              # the draft's pool mirrors the target's block tables
+
+
+def build_speculation(config: EngineConfig, target: TargetModel) -> SpeculativeDecoder:
+    """The engine's SpeculativeDecoder for ``config.speculative``."""
+    spec_cfg = config.speculative
     proposer = None
-    if config.speculative_method == "ngram":
+    if config.speculative.method == "ngram":
         proposer = NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
-    elif config.speculative_method == "draft":
+    elif config.speculative.method == "draft":
         from llmserve.spec_decode.draft_model import DraftModelProposer
 
-        proposer = DraftModelProposer.build(config, engine)
+        proposer = DraftModelProposer.build(config, target)
     if proposer is not None:
         logger.info("speculative decoding: %s, k = %d%s, off above %d running sequences",
-                    config.speculative_method, spec_cfg.num_speculative_tokens,
+                    config.speculative.method, spec_cfg.num_speculative_tokens,
                     " (adaptive)" if spec_cfg.adaptive else "", spec_cfg.max_batch)
     return SpeculativeDecoder(spec_cfg, proposer)

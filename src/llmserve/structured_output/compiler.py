@@ -61,6 +61,11 @@ class GrammarCompiler:
         self.hits = self.misses = 0
         self.compile_seconds_total = 0.0
 
+    def as_engine_stats(self) -> dict[str, float | int]:
+        """The EngineStats fields of the compile counters."""
+        return {"grammar_compile_seconds_total": self.compile_seconds_total,
+                "grammar_cache_hits": self.hits, "grammar_cache_misses": self.misses}
+
     @property
     def lltokenizer(self) -> Any:
         """llguidance's tokenizer for this vocabulary (built on first use)."""

@@ -54,6 +54,11 @@ class GrammarMatchers:
         self.mask_steps_total = 0         # steps with at least one constrained row
         self.rebuilds_total = 0           # states rebuilt from committed tokens
 
+    def as_engine_stats(self) -> dict[str, float | int]:
+        """The EngineStats fields of the masking counters."""
+        return {"grammar_mask_seconds_total": self.mask_seconds_total,
+                "grammar_mask_steps_total": self.mask_steps_total,
+                "grammar_mask_rows_total": self.mask_rows_total}
     def __len__(self) -> int:
         return len(self._states)
 

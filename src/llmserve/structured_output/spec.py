@@ -122,6 +122,9 @@ def describe_error(spec: StructuredOutputSpec, message: str) -> str:
         return f"unsupported JSON Schema feature(s): {names}"
     what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
             "choice": "choice", "grammar": "grammar", "lark": "tool-call grammar"}[spec.kind]
+    if "NoExtensionBias" in message:   # llguidance: the language is empty
+        return (f"no string matches this {what}: it can never be completed "
+                "(e.g. an empty character class, or a rule that only refers to itself)")
     first = message.strip().splitlines()[0] if message.strip() else "invalid"
     detail = " ".join(message.split()) if len(message) < 300 else first
     return f"invalid {what}: {detail}"

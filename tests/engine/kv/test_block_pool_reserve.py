@@ -104,4 +104,4 @@ def test_ledger_check_accepts_the_reserve_and_catches_a_reserve_block_in_the_que
 
 def test_engine_config_rejects_a_negative_commit():
     with pytest.raises(ValueError, match="kv_cache_commit_tokens"):
-        EngineConfig(kv_cache_commit_tokens=-1)
+        EngineConfig.from_kwargs(kv_cache_commit_tokens=-1)

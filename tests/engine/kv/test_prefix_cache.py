@@ -84,7 +84,7 @@ def test_namespace_changes_every_hash():
 
 def test_preemption_recompute_not_counted_as_hit():
     core = make_core(num_blocks=9, caching=True, max_num_seqs=8)
-    core.scheduler.config.admission_watermark_blocks = 0
+    core.scheduler.admission_watermark_blocks = 0
     rs = [req(f"r{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 7)), max_tokens=12)
           for i in range(3)]
     for r in rs:
@@ -97,7 +97,7 @@ def test_preemption_recompute_not_counted_as_hit():
 
 def test_lru_eviction_order_and_invariants():
     core = make_core(num_blocks=8, max_num_seqs=1)
-    core.scheduler.config.admission_watermark_blocks = 0
+    core.scheduler.admission_watermark_blocks = 0
     kv = core.kv
     old = req("old", list(range(10, 18)) + [1], max_tokens=1)      # 2 full blocks + 1 token
     new = req("new", list(range(50, 58)) + [1], max_tokens=1)

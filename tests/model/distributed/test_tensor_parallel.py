@@ -122,7 +122,7 @@ def test_every_dense_family_has_a_plan_and_the_registry_knows_every_plan():
 
 def test_dead_worker_fails_ready_and_the_inflight_request(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "m"), seed=2)
-    engine = AsyncLLM.from_config(EngineConfig(model=path, dtype="float32", num_kv_blocks=64,
+    engine = AsyncLLM.from_config(EngineConfig.from_kwargs(model=path, dtype="float32", num_kv_blocks=64,
                                                num_threads=1, tensor_parallel_size=2))
     worker = engine.engine.executor.group.workers[0]
     live = LiveServer(engine).start()

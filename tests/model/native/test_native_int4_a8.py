@@ -115,7 +115,7 @@ def test_activation_choice(monkeypatch):
     with pytest.raises(ValueError, match="int4_activations must be one of"):
         int4_int8_activations("fp8", cpu)
     with pytest.raises(ValueError, match="int4_activations"):
-        EngineConfig(int4_activations="int4")
+        EngineConfig.from_kwargs(int4_activations="int4")
     monkeypatch.setattr("llmserve.model.quant.native_int4_a8_available", lambda: False)
     assert int4_int8_activations("auto", cpu) is False
     with pytest.raises(ValueError, match="AVX512-VNNI"):

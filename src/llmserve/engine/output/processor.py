@@ -82,7 +82,9 @@ class OutputProcessor:
             delta.logprobs = [self.token_logprob(token_id, logprob, (top or [])[: p.logprobs])]
         finish: Optional[FinishReason] = None
         stop_reason: "str | int | None" = None
-        if req.num_output_tokens >= p.min_tokens:
+        # min_tokens never holds a grammar row open: the sampler lifts its EOS mask there, so
+        # an EOS in such a row is the one a complete grammar forces, and it ends the row
+        if req.num_output_tokens >= p.min_tokens or p.structured_output is not None:
             if p.stop_token_ids and token_id in p.stop_token_ids:
                 finish, stop_reason = FinishReason.STOP, token_id
             elif not p.ignore_eos and token_id in req.eos_token_ids:

@@ -40,7 +40,7 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     """This rank's device: ``cuda:<local rank>`` when serving on CUDA, else the CPU."""
     from llmserve.model.platform import resolve_device
 
-    device = resolve_device(config.device)
+    device = resolve_device(config.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -113,19 +113,19 @@ def run_worker_from_env(config: EngineConfig) -> None:
     from llmserve.model.executor.executor import RunnerArgs
     from llmserve.model.loading.loader import open_checkpoint
 
-    path = resolve_model_path(config.model)
-    runner_args = RunnerArgs(model_path=path, max_model_len=config.max_model_len
+    path = resolve_model_path(config.model.path)
+    runner_args = RunnerArgs(model_path=path, max_model_len=config.model.max_model_len
                              or open_checkpoint(path).config.max_position_embeddings)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != config.tensor_parallel_size:
+    if world != config.parallel.tensor_parallel_size:
         raise ValueError(f"WORLD_SIZE {world} differs from --tensor-parallel-size "
-                         f"{config.tensor_parallel_size}")
+                         f"{config.parallel.tensor_parallel_size}")
     run_worker(rank, world, int(os.environ.get("LOCAL_RANK", rank)), config, runner_args)
 
 
 def start_rank_zero(config: EngineConfig, runner_args: RunnerArgs) -> TensorParallelGroup:
     """Rank 0: join the group, spawning ranks 1..N-1 unless torchrun started them."""
-    world = config.tensor_parallel_size
+    world = config.parallel.tensor_parallel_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # torchrun (or another launcher)
         if int(os.environ["RANK"]) != 0:
             raise ValueError("only rank 0 runs the engine; other ranks call run_worker_from_env")
@@ -135,8 +135,8 @@ def start_rank_zero(config: EngineConfig, runner_args: RunnerArgs) -> TensorPara
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
-    worker_config = dataclasses.replace(
-        config, num_threads=config.num_threads or max(1, (os.cpu_count() or 1) // world))
+    worker_config = config.replace(
+        num_threads=config.model.num_threads or max(1, (os.cpu_count() or 1) // world))
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, world):
@@ -183,10 +183,10 @@ def check_tensor_parallel(config: EngineConfig, source: CheckpointSource) -> Non
     from llmserve.model.platform import resolve_device, resolve_dtype
     from llmserve.model.quant import select_linear_method
 
-    device = resolve_device(config.device)
-    method = select_linear_method(config.quantization, config.quantization_group_size,
-                                  source.config, resolve_dtype(config.dtype, device), device,
-                                  config.int4_activations)
-    check_shardable(source.config, config.tensor_parallel_size, method)
-    if not config.num_threads and device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    device = resolve_device(config.model.device)
+    method = select_linear_method(config.model.quantization, config.model.quantization_group_size,
+                                  source.config, resolve_dtype(config.model.dtype, device), device,
+                                  config.model.int4_activations)
+    check_shardable(source.config, config.parallel.tensor_parallel_size, method)
+    if not config.model.num_threads and device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))

@@ -116,7 +116,7 @@ class LocalExecutor(_RunnerFigures):
 
 
 class TensorParallelExecutor(_RunnerFigures):
-    """Rank 0 of ``config.tensor_parallel_size`` ranks (see the module docstring)."""
+    """Rank 0 of ``config.parallel.tensor_parallel_size`` ranks (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, source: CheckpointSource, args: RunnerArgs) -> None:
         from llmserve.model.distributed.workers import check_tensor_parallel, start_rank_zero
@@ -156,7 +156,7 @@ class TensorParallelExecutor(_RunnerFigures):
 
 def build_executor(config: EngineConfig, source: CheckpointSource, args: RunnerArgs) -> Executor:
     """The executor ``config`` asks for: tensor-parallel ranks or one process."""
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         return TensorParallelExecutor(config, source, args)
     return LocalExecutor(ModelRunner(config, source, args.max_model_len, args.eos_token_ids,
                                      sample_vocab_size=args.sample_vocab_size))

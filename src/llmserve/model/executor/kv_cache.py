@@ -38,15 +38,15 @@ def plan_num_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dt
                     device: torch.device, max_model_len: int) -> int:
     """Blocks for the pool: explicit ``num_kv_blocks`` / ``kv_cache_gib``, else enough for
     ``max_num_seqs`` full contexts, capped by ``kv_cache_fraction`` of free memory."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
-    cap = available_memory_bytes(device) * config.kv_cache_fraction
-    if config.kv_cache_gib is not None:
-        budget = config.kv_cache_gib * 2**30
+    if config.cache.num_kv_blocks is not None:
+        return config.cache.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.cache.block_size, kv_dtype)
+    cap = available_memory_bytes(device) * config.cache.kv_cache_fraction
+    if config.cache.kv_cache_gib is not None:
+        budget = config.cache.kv_cache_gib * 2**30
     else:
-        blocks_per_seq = -(-max_model_len // config.block_size)
-        budget = min(cap, config.max_num_seqs * blocks_per_seq * per_block)
+        blocks_per_seq = -(-max_model_len // config.cache.block_size)
+        budget = min(cap, config.scheduler.max_num_seqs * blocks_per_seq * per_block)
     n = int(budget // per_block)
     if n < 1:
         raise ValueError(f"KV budget of {budget / 2**30:.3f} GiB is smaller than one block "

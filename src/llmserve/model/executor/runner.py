@@ -50,19 +50,19 @@ class ModelRunner:
         self.model_config: ModelConfig = source.config
         # tensor parallelism: this rank's share of the model, or None for the whole model
         self.sharding = sharding
-        self.device = sharding.device if sharding else resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.block_size = cfg.block_size
+        self.device = sharding.device if sharding else resolve_device(cfg.model.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, self.dtype)
+        if cfg.model.num_threads:
+            torch.set_num_threads(cfg.model.num_threads)
+        self.block_size = cfg.cache.block_size
         mc = sharding.local_config(self.model_config) if sharding else self.model_config
-        backend_name = "paged" if cfg.attention_backend == "auto" else cfg.attention_backend
+        backend_name = "paged" if cfg.model.attention_backend == "auto" else cfg.model.attention_backend
         self.backend = make_backend(backend_name, mc.num_attention_heads, mc.num_key_value_heads,
-                                    mc.head_dim, cfg.block_size)
+                                    mc.head_dim, cfg.cache.block_size)
         t0 = time.time()
-        method = select_linear_method(cfg.quantization, cfg.quantization_group_size, mc,
-                                      self.dtype, self.device, cfg.int4_activations)
+        method = select_linear_method(cfg.model.quantization, cfg.model.quantization_group_size, mc,
+                                      self.dtype, self.device, cfg.model.int4_activations)
         self.model = build_model(mc, self.backend, method, self.dtype, self.device,
                                  max_positions=max_model_len + 1)
         if sharding:
@@ -81,15 +81,15 @@ class ModelRunner:
             self.num_blocks = sharding.agree_min(self.num_blocks)
         # CPU pools commit memory as written: the first blocks now, the rest on demand
         self.committed_blocks = self.num_blocks if self.device.type != "cpu" else \
-            min(self.num_blocks, -(-cfg.kv_cache_commit_tokens // cfg.block_size))
-        self.kv = KVCachePool(mc, self.num_blocks, cfg.block_size, self.kv_dtype, self.device,
+            min(self.num_blocks, -(-cfg.cache.kv_cache_commit_tokens // cfg.cache.block_size))
+        self.kv = KVCachePool(mc, self.num_blocks, cfg.cache.block_size, self.kv_dtype, self.device,
                               commit_blocks=self.committed_blocks)
         self.kv_caches = self.kv.caches
-        max_blocks = -(-max_model_len // cfg.block_size)
-        self.buffers = InputBuffers(max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-                                    max_seqs=cfg.max_num_seqs, max_blocks_per_seq=max_blocks,
+        max_blocks = -(-max_model_len // cfg.cache.block_size)
+        self.buffers = InputBuffers(max_tokens=max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs),
+                                    max_seqs=cfg.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
                                     scratch_block=self.kv.scratch_block, device=self.device)
-        self.sampler = Sampler(seed=cfg.seed)
+        self.sampler = Sampler(seed=cfg.model.seed)
         # logits past the tokenizer's vocabulary (checkpoint padding) are cut off before sampling
         self.sample_vocab_size = sample_vocab_size or self.model_config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
@@ -98,7 +98,7 @@ class ModelRunner:
         #: which logits a step hands back beside its tokens (capture.py): the draft model
         #: reads its sampled rows, the quality eval every position's, parity tests both
         self.capture = LogitsCapture.NONE
-        eager = cfg.enforce_eager if cfg.enforce_eager is not None else env_flag(
+        eager = cfg.model.enforce_eager if cfg.model.enforce_eager is not None else env_flag(
             "LLMSERVE_ENFORCE_EAGER")
         self.compiled: Optional[CompiledDecodeStep] = None
         self.compiled_verify: Optional[CompiledVerifyStep] = None   # drafts' verify steps
@@ -109,12 +109,12 @@ class ModelRunner:
                         "the compiled graph)")
         if not eager and not self.model.compile_unsupported and sharding is None:  # no TP
             self.compiled = CompiledDecodeStep(self.model, self.backend, self.kv_caches,
-                                               self.buffers, cfg.max_num_seqs,
+                                               self.buffers, cfg.scheduler.max_num_seqs,
                                                static_model=self.lora is None)
-            if cfg.speculative_method and self.backend.name == "paged":
+            if cfg.speculative.method and self.backend.name == "paged":
                 self.compiled_verify = CompiledVerifyStep(
                     self.model, self.backend, self.kv_caches, self.buffers,
-                    min(cfg.max_num_seqs, cfg.speculative_max_batch), cfg.num_speculative_tokens,
+                    min(cfg.scheduler.max_num_seqs, cfg.speculative.max_batch), cfg.speculative.num_speculative_tokens,
                     static_model=self.lora is None)
         logger.info("KV pool: %d blocks x %d tokens (%.2f GiB reserved, %s, %d B/token) on %s; "
                     "attention %s; %s", self.num_blocks, self.block_size,
@@ -123,11 +123,11 @@ class ModelRunner:
                     "compiled decode step" if self.compiled else "eager")
 
     def _make_lora(self, cfg: EngineConfig) -> Optional[LoraManager]:
-        if cfg.max_loras <= 0:
+        if cfg.lora.max_loras <= 0:
             return None
         if self.sharding is not None:
             raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1")
-        return LoraManager(self.model, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device)
+        return LoraManager(self.model, cfg.lora.max_loras, cfg.lora.max_lora_rank, self.dtype, self.device)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -141,6 +141,10 @@ class ModelRunner:
             self.compiled.warmup()
         if self.compiled_verify is not None:
             self.compiled_verify.warmup()
+
+    def grammar_stats(self) -> dict[str, float | int]:
+        """The EngineStats fields of the grammar masks this runner applied."""
+        return self.adjuster.matchers.as_engine_stats()
 
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator)."""

@@ -86,6 +86,9 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
+        if self.n is not None and self.n < 1:   # the published schema's minimum
+            raise bad_request(f"n must be at least 1, got {self.n}", param="n",
+                              code="invalid_value")
         if self.priority is not None:
             try:
                 priority_value(self.priority)
