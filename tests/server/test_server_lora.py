@@ -2,6 +2,7 @@
 load / unload (admin key under a gateway), tenants' allow-lists and clear errors."""
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from typing import Any, Iterator
@@ -32,6 +33,33 @@ def tiny(tmp_path_factory):
     from tests.lora.lora_helpers import edit_config
     edit_config(dora, use_dora=True)
     return base, a, b, dora
+
+
+@pytest.fixture(scope="module")
+def broken_adapters(tiny, tmp_path_factory) -> dict[str, str]:
+    """Copies of adapter b that must be refused at load: a NaN or huge lora_alpha, NaN or
+    infinite weights."""
+    import safetensors.torch
+    import torch
+
+    from tests.lora.lora_helpers import edit_config
+
+    root = tmp_path_factory.mktemp("broken_lora")
+    out = {}
+    for name, alpha in (("alpha_nan", float("nan")), ("alpha_huge", 1e308)):
+        out[name] = str(root / name)
+        shutil.copytree(tiny[2], out[name])
+        edit_config(out[name], lora_alpha=alpha)
+    for name, bad in (("weights_nan", float("nan")), ("weights_inf", float("inf"))):
+        out[name] = str(root / name)
+        shutil.copytree(tiny[2], out[name])
+        file = os.path.join(out[name], "adapter_model.safetensors")
+        tensors = safetensors.torch.load_file(file)
+        key = sorted(tensors)[0]
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = bad
+        safetensors.torch.save_file(tensors, file)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +121,33 @@ def test_bad_requests_get_openai_errors(engine, tiny, start_server):
                               code="invalid_lora")
     assert "DoRA" in err["message"]
     assert_openai_error(load({"lora_name": "x"}), 400, param="lora_path")
+    for bad_name in ("bad\nname", "x y", "", "-dash", "n" * 129, "café"):
+        assert_openai_error(load({"lora_name": bad_name, "lora_path": tiny[2]}), 400,
+                            param="lora_name")
     assert_openai_error(load({"lora_name": "a", "lora_path": tiny[1]}), 400,
                         code="lora_name_taken")
     assert_openai_error(httpx.post(live.url("/v1/unload_lora_adapter"),
                                    json={"lora_name": "base"}, timeout=60), 404,
                         code="lora_not_found")
+
+
+def test_broken_adapters_are_refused_at_load_and_nothing_changes(engine, tiny, broken_adapters,
+                                                                 start_server):
+    """NaN/huge alpha and NaN/inf weights: 400 invalid_lora with the reason, the adapter is
+    not served, and the server keeps answering its other models."""
+    live = start_server(engine, served_model_names=["base"])
+    client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+    before = complete(client, "a").choices[0].text
+    reasons = {"alpha_nan": "finite", "alpha_huge": "scaling", "weights_nan": "NaN or infinite",
+               "weights_inf": "NaN or infinite"}
+    for name, path in broken_adapters.items():
+        r = httpx.post(live.url("/v1/load_lora_adapter"),
+                       json={"lora_name": name, "lora_path": path}, timeout=60)
+        err = assert_openai_error(r, 400, code="invalid_lora")
+        assert reasons[name] in err["message"], (name, err)
+        with pytest.raises(openai.NotFoundError):
+            complete(client, name)
+    assert complete(client, "a").choices[0].text == before
 
 
 def test_unloading_an_adapter_in_use_is_refused(engine, tiny, start_server):

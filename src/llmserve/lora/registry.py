@@ -21,6 +21,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from llmserve.contract.names import NAME_RULE, is_valid_name
+
+#: the largest |lora_alpha / r| accepted (PEFT adapters use single or double digits)
+MAX_SCALING = 1024.0
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -80,8 +85,8 @@ def parse_peft_config(cfg: dict[str, Any]) -> tuple[int, float, tuple[str, ...]]
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoraError(f"adapter_config.json: r must be a positive integer, got {rank!r}")
     alpha = cfg.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise LoraError(f"adapter_config.json: lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoraError(f"adapter_config.json: lora_alpha must be a finite number, got {alpha!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         if targets == "all-linear":
@@ -96,6 +101,10 @@ def parse_peft_config(cfg: dict[str, Any]) -> tuple[int, float, tuple[str, ...]]
         raise LoraError(f"target modules {bad} are not supported; a LoRA may target "
                         f"{list(SUPPORTED_TARGETS)}")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    if not abs(scaling) <= MAX_SCALING:
+        raise LoraError(f"adapter_config.json: lora_alpha {alpha!r} with r={rank} gives a "
+                        f"scaling of {scaling:g}, beyond +-{MAX_SCALING:g} (the adapter's "
+                        "delta would swamp the base weights or overflow)")
     return rank, float(scaling), tuple(t for t in SUPPORTED_TARGETS if t in targets)
 
 
@@ -163,8 +172,9 @@ class LoraRegistry:
 
     def read(self, name: str, path: str) -> LoraRef:
         """Validate an adapter folder for this registry (does not register it)."""
-        if not name or not isinstance(name, str):
-            raise LoraError("a LoRA adapter needs a non-empty name")
+        if not is_valid_name(name):
+            raise LoraError(f"LoRA adapter name {name!r} is not a valid name: {NAME_RULE} "
+                            "(it becomes a served model name and a response header)")
         ref = read_adapter(name, path)
         if ref.rank > self.max_rank:
             raise LoraError(f"LoRA adapter {name!r} has rank {ref.rank}, above --max-lora-rank "

@@ -83,6 +83,9 @@ def load_adapter_tensors(ref: LoraRef, num_layers: int) -> LoadedAdapter:
                             f"the model has {num_layers}")
         if tensor.dim() != 2:
             raise LoraError(f"LoRA adapter {ref.name!r}: tensor {key!r} is not a matrix")
+        if not bool(torch.isfinite(tensor).all()):
+            raise LoraError(f"LoRA adapter {ref.name!r}: tensor {key!r} holds NaN or infinite "
+                            "values")
         halves.setdefault((layer, target), {})[half] = tensor.float()
     pairs = []
     for (layer, target), ab in sorted(halves.items()):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Union, cast
 from llmserve.contract.engine_client import EngineClient, LoraAdmin, LoraEngineClient
 from llmserve.contract.errors import OpenAIError
 from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall
+from llmserve.contract.names import NAME_RULE, is_valid_name
 from llmserve.lora.registry import LoraError, LoraInUse, LoraNotFound
 from llmserve.protocol import RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -127,6 +128,9 @@ class LoraAdapters:
     async def load(self, call: HTTPCall) -> tuple[int, Any]:
         self._require_admin(call)
         name, path = self._body(call, ("lora_name", "lora_path"))
+        if not is_valid_name(name):
+            raise OpenAIError(400, f"lora_name {name!r} is not a valid name: {NAME_RULE}",
+                              param="lora_name", code="invalid_lora_name")
         if name in self.serving.engines:
             raise OpenAIError(400, f"the model name {name!r} is already served",
                               param="lora_name", code="lora_name_taken")

@@ -36,7 +36,7 @@ from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.sampling.sampler import Sampler, SamplingBatch, inverse_cdf_draw
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposers import EMPTY, Proposal
-from llmserve.spec_decode.verifier import _Extended
+from llmserve.spec_decode.verifier import ExtendedTokens
 from llmserve.spec_decode.wiring import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class DraftModelProposer:
         reqs = [active[rows[p]][1] for p in sampled]
         batch = SamplingBatch.build(
             [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
-            [_Extended(r.output_token_ids, drafts[rows[p]]) for r, p in zip(reqs, sampled)],
+            [ExtendedTokens(r.output_token_ids, drafts[rows[p]]) for r, p in zip(reqs, sampled)],
             [None] * len(reqs), logits.shape[-1], logits.device, self.eos_token_ids)
         x = Sampler.filter_logits(Sampler.process_logits(logits, batch), batch)
         q = torch.softmax(x, dim=-1)

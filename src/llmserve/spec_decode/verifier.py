@@ -33,7 +33,7 @@ from llmserve.model.sampling.sampler import Sampler, SamplingBatch, inverse_cdf_
 Verified = tuple[list[list[int]], Optional[list[list[float]]], Optional[list[list[list]]]]
 
 
-class _Extended(Sequence[int]):
+class ExtendedTokens(Sequence[int]):
     """``base + extra`` without copying ``base`` (a row's output plus earlier drafts)."""
 
     __slots__ = ("base", "extra")
@@ -93,7 +93,7 @@ def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
         batch = SamplingBatch.build(
             [samp[b].params for b in seq_of_row],
             [samp[b].prompt_token_ids for b in seq_of_row],
-            [_Extended(samp[b].output_token_ids, drafts[b][:j])
+            [ExtendedTokens(samp[b].output_token_ids, drafts[b][:j])
              for b, j in zip(seq_of_row, pos_of_row)],
             [None] * num_rows, vocab, dev, eos_token_ids)
         x = sampler.process_logits(logits, batch)
