@@ -74,3 +74,12 @@ def test_lora_flags_give_clear_errors(tmp_path):
     assert r.returncode == 2
     assert "no-adapter" in r.stderr and "does not exist" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_refuses_a_served_model_name_that_would_break_headers():
+    """A name with a newline would reach X-Served-By and break every response: refused
+    before the model loads, with the rule in the message."""
+    r = run("serve", "--served-model-name", "bad\nname", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--served-model-name 'bad\\nname' is not a valid name" in r.stderr
+

@@ -151,9 +151,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-
     from llmserve.async_llm import AsyncLLM
+    from llmserve.contract.names import check_name
     from llmserve.server.launch import serve
+
+    for flag in ("served_model_name", "fallback_name"):   # names reach headers and labels
+        if getattr(args, flag, None) is not None:
+            check_name(getattr(args, flag), "--" + flag.replace("_", "-"))
 
     if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
         from llmserve.model.distributed.workers import run_worker_from_env

@@ -40,7 +40,6 @@ def broken_adapters(tiny, tmp_path_factory) -> dict[str, str]:
     """Copies of adapter b that must be refused at load: a NaN or huge lora_alpha, NaN or
     infinite weights."""
     import safetensors.torch
-    import torch
 
     from tests.lora.lora_helpers import edit_config
 

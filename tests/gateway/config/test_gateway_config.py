@@ -161,6 +161,10 @@ def test_open_default_is_single_tenant_without_keys():
     ("tenants: {a: {keys: ['%(h)s']}, b: {keys: ['%(h)s']}}", "tenants.b.keys[0]: the same key"),
     ("tenants: {a: {keys: ['%(h)s', '%(h)s']}}", "tenants.a.keys[1]: duplicate"),
     ("tenants: {'bad name': {keys: ['%(h)s']}}", "tenants.bad name"),
+    # a trailing newline once passed (re.match with "$"); names reach headers and labels
+    ('tenants: {"acme\\n": {keys: [\'%(h)s\']}}', "tenants.acme\n"),
+    ('models: {"m\\nX-Evil: 1": null}\ntenants: {a: {keys: [\'%(h)s\']}}', "is not a valid name"),
+    ("models: {m: {fallback: 'a b'}}\ntenants: {a: {keys: ['%(h)s']}}", "models.m.fallback"),
     ("queue: {max_requests: 0}\ntenants: {a: {keys: ['%(h)s']}}", "queue.max_requests"),
     ("queue: {timeout_s: -1}\ntenants: {a: {keys: ['%(h)s']}}", "queue.timeout_s"),
     ("queue: {size: 3}\ntenants: {a: {keys: ['%(h)s']}}", "queue.size: unknown key"),

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any, Callable, Mapping
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def parse_toml(text: str) -> Any:
@@ -110,7 +110,7 @@ def string_list(value: Any, path: str) -> list[str]:
 
 
 def identifier(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):   # not match: "$" passes "x\n"
         raise ValueError(f"{path}: names must be 1-64 characters of letters, digits, '_', '.', '-' "
                          f"starting with a letter or digit, got {value!r}")
     return value

@@ -18,6 +18,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from llmserve.contract.names import check_name
 from llmserve.contract.server_limits import ServerLimits
 from llmserve.gateway.config.caches import (
     AdminConfig,
@@ -272,9 +273,11 @@ def _parse_models(data: Mapping) -> dict[str, ModelRoute]:
     routes: dict[str, ModelRoute] = {}
     for name, body in data.items():
         path = f"models.{name}"
-        string(name, path)
+        check_name(string(name, path), path)
         section = Section({} if body is None else body, path)
         fallback = section.take("fallback", string, None)
+        if fallback is not None:
+            check_name(fallback, f"{path}.fallback")
         section.finish()
         if fallback == name:
             raise ValueError(f"{path}.fallback: a model cannot be its own fallback")
