@@ -78,8 +78,9 @@ class Executor(Protocol):
         ...
 
 
-class _RunnerFigures:
-    """The figures the engine's stats report, read from rank 0's runner."""
+class _RankZero:
+    """What both executors delegate to rank 0's runner: its figures, per-request state and
+    warm-up."""
 
     runner: ModelRunner
 
@@ -91,8 +92,14 @@ class _RunnerFigures:
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token
 
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
 
-class LocalExecutor(_RunnerFigures):
+    def warmup(self) -> None:
+        self.runner.warmup()
+
+
+class LocalExecutor(_RankZero):
     """One process, one device."""
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -100,12 +107,6 @@ class LocalExecutor(_RunnerFigures):
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
-
-    def release(self, request_id: str) -> None:
-        self.runner.release(request_id)
-
-    def warmup(self) -> None:
-        self.runner.warmup()
 
     @property
     def healthy(self) -> bool:
@@ -115,7 +116,7 @@ class LocalExecutor(_RunnerFigures):
         return None
 
 
-class TensorParallelExecutor(_RunnerFigures):
+class TensorParallelExecutor(_RankZero):
     """Rank 0 of ``config.parallel.tensor_parallel_size`` ranks (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, source: CheckpointSource, args: RunnerArgs) -> None:
@@ -139,12 +140,6 @@ class TensorParallelExecutor(_RunnerFigures):
         if step.num_seqs:
             broadcast_step(self.group, step, self.runner.capture)
         return self.runner.execute(step)
-
-    def release(self, request_id: str) -> None:
-        self.runner.release(request_id)
-
-    def warmup(self) -> None:
-        self.runner.warmup()
 
     @property
     def healthy(self) -> bool:
