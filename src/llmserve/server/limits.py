@@ -27,7 +27,7 @@ class RequestLimits:
 
     max_messages: int = 1024             # chat messages per request
     max_content_parts: int = 128         # content parts per message
-    max_prompt_bytes: int = 1 << 20      # UTF-8 bytes of all prompt text (1 MiB, ~1 s to tokenize)
+    max_prompt_bytes: int = 1 << 20      # UTF-8 bytes of all prompt text (1 MiB)
     max_prompts: int = MAX_CHOICES_PER_REQUEST   # prompts in one /v1/completions request
     max_prompt_token_ids: int = 1 << 20  # token ids over all token-id prompts
     max_stop_strings: int = 16           # entries of "stop"

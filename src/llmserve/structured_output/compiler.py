@@ -1,6 +1,6 @@
 """Grammar compilation for one tokenizer, cached by constraint hash, off the engine thread.
 
-:class:`GrammarCompiler` owns llguidance's view of the vocabulary (built once, ~0.2 s) and an
+:class:`GrammarCompiler` owns llguidance's view of the vocabulary (built once per tokenizer) and an
 LRU cache ``spec.key -> CompiledGrammar``. ``compile`` is synchronous and thread-safe;
 ``compile_async`` runs it on the compiler's own worker thread, so the asyncio front
 (``AsyncLLM.generate``) compiles a new schema before the request reaches the engine thread:

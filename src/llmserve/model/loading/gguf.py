@@ -5,7 +5,7 @@ This module imports numpy and the ``gguf`` package but not torch, so the tokeniz
 GGUF metadata without pulling torch in. :mod:`llmserve.model.loading.loader` turns the arrays into tensors.
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds one object
-per vocabulary string (about 4 s for a 49k-token vocabulary), while this one takes ~0.1 s.
+per vocabulary string, which is slow for large vocabularies (docs/BENCHMARKS.md).
 Dequantization uses ``gguf.quants.dequantize``, which is vectorised over whole tensors.
 """
 from __future__ import annotations

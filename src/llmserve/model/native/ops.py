@@ -14,7 +14,7 @@ Six operators, ``torch.ops.llmserve_native``:
 All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
 itself) and a C++ compiler: the one ``torch.compile`` needs already. They are built once per
 machine, torch build and source text into ``~/.cache/llmserve/kernels``
-(``LLMSERVE_KERNEL_CACHE``), in ~7-13 s, loaded with ``torch.ops.load_library``, and given
+(``LLMSERVE_KERNEL_CACHE``) in seconds, loaded with ``torch.ops.load_library``, and given
 fake (shape) functions so compiled graphs call them as external kernels. Where anything of
 that fails, or ``LLMSERVE_NATIVE_KERNELS=0``, :func:`native_available` is false and callers
 keep PyTorch's kernels: every code path runs without this library.
