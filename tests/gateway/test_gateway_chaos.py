@@ -132,7 +132,8 @@ def test_live_kv_admission_turns_a_burst_into_retryable_503s_not_preemptions(kv_
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> Iterator[ServerProcess]:
     server = start(tmp_path_factory.mktemp("chaos"), tiny_model, "--num-kv-blocks", "1024",
-                   "--max-num-seqs", "2", queue={"timeout_s": 20, "max_requests": 16})
+                   "--max-num-seqs", "2", queue={"timeout_s": 20, "max_requests": 16},
+                   metrics={"per_tenant": True})   # the per-namespace prefix counters
     yield server
     server.stop()
 

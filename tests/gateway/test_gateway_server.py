@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.gateway.gateway_server_helpers import ServerProcess, auth, ledger_rows, write_config
-from tests.server.server_helpers import assert_openai_error, parse_sse, wait_until
+from tests.server.server_helpers import assert_openai_error, metric_value, parse_sse, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,19 @@ COMPLETIONS = "/v1/completions"
 def chat(content: str = "Name a color.", **kw: Any) -> dict[str, Any]:
     return {"model": "big", "messages": [{"role": "user", "content": content}],
             "max_tokens": 4, "temperature": 0, **kw}
+
+
+def test_metrics_carry_no_tenant_by_default(gw: ServerProcess) -> None:
+    """/metrics needs no key, so without `metrics: {per_tenant: true}` no series names a
+    tenant or a cache namespace (a hash of one); the aggregates are there. Issue 33."""
+    r = httpx.post(gw.url("/v1/completions"), headers=auth(KEYS["alpha"]),
+                   json={"model": "big", "prompt": "Hi there", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = httpx.get(gw.url("/metrics"), timeout=10).text
+    assert 'tenant="' not in text and "cache_namespace" not in text
+    assert "alpha" not in text and "tenant:" not in text
+    assert metric_value(text, "llmserve_prefix_cache_queries_total", model="big") > 0
+    assert metric_value(text, "llmserve_prompt_bundle_pin_budget_blocks") >= 0
 
 
 @pytest.fixture(scope="module")

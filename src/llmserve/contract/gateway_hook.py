@@ -220,6 +220,10 @@ class ExtraRoute:
 class Gateway:
     """No-op base class; subclass and override what you need (see the module docstring)."""
 
+    #: whether /metrics may carry series labelled by tenant or cache namespace (/metrics
+    #: needs no key, so a gateway opts in; aggregates otherwise)
+    per_tenant_metrics: bool = False
+
     async def authenticate(self, ctx: RequestContext) -> None:
         """Identify the caller from ``ctx.headers``; raise OpenAIError(401) to reject."""
 

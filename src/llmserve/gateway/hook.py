@@ -164,6 +164,7 @@ class TenantGateway(Gateway):
                  response_cache: Optional[ResponseCache] = None,
                  bundles: Optional[BundleRegistry] = None) -> None:
         self.config = config
+        self.per_tenant_metrics = config.per_tenant_metrics
         self.auth = Authenticator(config)
         self.limiter = limiter or TenantRateLimiter()
         self.ledger = ledger
@@ -400,7 +401,8 @@ class TenantGateway(Gateway):
 
     def register_metrics(self, registry: Any) -> None:
         """Response-cache and prompt-bundle metrics in the app's registry."""
-        registry.register(CacheMetricsCollector(self.caches, self.config))
+        registry.register(CacheMetricsCollector(self.caches, self.config,
+                                                per_tenant=self.per_tenant_metrics))
         registry.register(ReleaseMetricsCollector(self.releases))
 
     def close(self) -> None:

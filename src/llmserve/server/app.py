@@ -75,7 +75,9 @@ def create_app(
     label); the request latency histograms carry the default model's labels.
     """
     names = list(served_model_names) if served_model_names else [engine.model_name]
-    metrics = ServerMetrics(engine, names[0], engine.fingerprint)
+    # /metrics needs no key: series labelled by tenant only when the gateway opts in
+    metrics = ServerMetrics(engine, names[0], engine.fingerprint,
+                            per_tenant=bool(getattr(gateway, "per_tenant_metrics", False)))
     input_limits = input_limits or DEFAULT_LIMITS
     serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
                             limits=limits, input_limits=input_limits)

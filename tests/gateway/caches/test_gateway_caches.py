@@ -42,7 +42,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         }, KEYS,
         database="gateway.db", admin={"keys": [hash_api_key(ADMIN)]},
         response_cache={"max_entries": 100, "max_bytes": 1 << 20, "ttl_s": 600, "store": "sqlite"},
-        cache_audit={"sample_rate": 1.0},
+        cache_audit={"sample_rate": 1.0}, metrics={"per_tenant": True},
     )
     server = ServerProcess(config, ["--served-model-name", "default", "--num-kv-blocks", "64", "--max-model-len", "512",
                                     "--max-num-seqs", "4", "--num-threads", "2"],

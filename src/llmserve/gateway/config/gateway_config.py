@@ -153,6 +153,9 @@ class GatewayConfig:
     prompt_bundles: PromptBundleConfig = PromptBundleConfig()
     cache_audit: CacheAuditConfig = CacheAuditConfig()
     releases: Mapping[str, ModelReleases] = field(default_factory=dict)  # public model -> releases
+    #: `metrics: {per_tenant: true}`: /metrics carries per-tenant series (tenant and
+    #: cache_namespace labels); off by default, /metrics needs no key (docs/METRICS.md)
+    per_tenant_metrics: bool = False
 
     def bundle_budget(self, tenant: TenantConfig) -> int:
         """The tenant's KV pinning budget for prompt bundles, in blocks."""
@@ -204,6 +207,9 @@ class GatewayConfig:
         bundles = parse_prompt_bundles(root.take("prompt_bundles", mapping, None))
         audit = parse_cache_audit(root.take("cache_audit", mapping, None))
         releases = parse_releases(root.take("releases", mapping, None), tenants)
+        metrics = Section(root.take("metrics", mapping, {}), "metrics")
+        per_tenant_metrics = metrics.take("per_tenant", boolean, False)
+        metrics.finish()
         root.finish()
         if response_cache.store == "sqlite" and database is None and any(
                 t.response_cache for t in tenants.values()):
@@ -219,7 +225,7 @@ class GatewayConfig:
                    database=database, idempotency_ttl_s=idempotency_ttl_s, auth_required=True,
                    max_tokens_reservation=reservation, server=server, admin=admin,
                    response_cache=response_cache, prompt_bundles=bundles, cache_audit=audit,
-                   releases=releases)
+                   releases=releases, per_tenant_metrics=per_tenant_metrics)
 
     @classmethod
     def open_default(cls, database: Optional[str] = None) -> "GatewayConfig":

@@ -102,8 +102,12 @@ class EngineStatsCollector(Collector):
     """Reads ``engine.get_stats()`` on every scrape and exposes gauges and counters;
     one series per engine (see :meth:`add`), told apart by the ``model`` label."""
 
-    def __init__(self, engine: EngineClient, label_values: tuple[str, str]) -> None:
+    def __init__(self, engine: EngineClient, label_values: tuple[str, str],
+                 per_namespace: bool = False) -> None:
+        """``per_namespace``: also the prefix-cache counters per cache namespace (their
+        labels name tenants, so only when the gateway opts in: ``metrics.per_tenant``)."""
         self._engines: list[tuple[Any, list[str]]] = [(engine, list(label_values))]
+        self.per_namespace = per_namespace
 
     def add(self, engine: EngineClient, label_values: tuple[str, str]) -> None:
         """Export another engine's stats too (e.g. a fallback model's)."""
@@ -118,7 +122,8 @@ class EngineStatsCollector(Collector):
             except Exception:  # noqa: BLE001 - a broken engine must not break /metrics
                 logger.exception("engine.get_stats() failed during a metrics scrape")
                 continue
-            add_namespace_samples(ns_queries, ns_hits, stats, lv)
+            if self.per_namespace:
+                add_namespace_samples(ns_queries, ns_hits, stats, lv)
             for kind, name, doc, value in self._samples(stats):
                 family = families.get(name)
                 if family is None:
@@ -135,8 +140,9 @@ class EngineStatsCollector(Collector):
                 buckets, total = acceptance_buckets(lengths)
                 family.add_metric(lv, buckets, total)
         yield from families.values()
-        yield ns_queries
-        yield ns_hits
+        if self.per_namespace:
+            yield ns_queries
+            yield ns_hits
 
     @staticmethod
     def _samples(s: Any) -> Iterator[tuple[str, str, str, float]]:
@@ -177,7 +183,8 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """All metrics of one app, in a private CollectorRegistry."""
 
-    def __init__(self, engine: EngineClient, model_name: str, fingerprint: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, fingerprint: str,
+                 per_tenant: bool = False) -> None:
         self.registry = CollectorRegistry()
         lv = (model_name, short_version(fingerprint))
         self.label_values = lv
@@ -216,7 +223,7 @@ class ServerMetrics:
         self.in_progress = Gauge("llmserve_generation_requests_in_progress",
                                  "Generation requests being served by the HTTP server",
                                  LABELS, registry=reg).labels(*lv)
-        self._engine_stats = EngineStatsCollector(engine, lv)
+        self._engine_stats = EngineStatsCollector(engine, lv, per_namespace=per_tenant)
         reg.register(self._engine_stats)
         extra = getattr(engine, "metrics_collector", None)  # e.g. a router's per-replica series
         if callable(extra):
