@@ -22,6 +22,7 @@ from typing import Any, Optional
 from llmserve.contract.engine_client import PrefixCacheAdmin
 from llmserve.contract.gateway_hook import ExtraRoute, HTTPCall
 from llmserve.gateway.auth import Authenticator, match_key_hash, parse_bearer
+from llmserve.gateway.caches.bundle_kv import bundle_prefix_tokens
 from llmserve.gateway.caches.hooks import GatewayCaches, tenant_owner
 from llmserve.gateway.caches.prompt_bundles import SHARED, BundleNotFound, parse_bundle_body, parse_ref
 from llmserve.gateway.config.gateway_config import GatewayConfig, TenantConfig
@@ -101,7 +102,25 @@ class AdminAPI:
     async def create_bundle(self, call: HTTPCall) -> tuple[int, Any]:
         owner, tenant = self._caller(call)
         name, messages, tools = parse_bundle_body(call.body)
+        await self._check_bundle_fits(name, messages, tools)
         return 200, await self.caches.register(owner, tenant, name, messages, tools)
+
+    async def _check_bundle_fits(self, name: str, messages: list[dict[str, Any]],
+                                 tools: Optional[list[Any]]) -> None:
+        """400 ``bundle_too_long`` when the bundle's prompt leaves no room for a request in
+        any served model's context: such a bundle could never be used."""
+        engines = self._engines()
+        sizes = []
+        for served, engine in engines.items():
+            tokens = await asyncio.to_thread(bundle_prefix_tokens, engine.tokenizer,
+                                             list(messages), list(tools or []))
+            if len(tokens) < engine.max_model_len:
+                return
+            sizes.append(f"{len(tokens)} tokens for {served!r} (context {engine.max_model_len})")
+        if sizes:
+            raise InvalidRequest(f"prompt bundle {name!r} cannot fit any served model's "
+                                 f"context: {'; '.join(sizes)}", param="messages",
+                                 code="bundle_too_long")
 
     async def list_bundles(self, call: HTTPCall) -> tuple[int, Any]:
         owner, _tenant = self._caller(call)

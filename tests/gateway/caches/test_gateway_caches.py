@@ -275,3 +275,14 @@ def test_hit_audit_log_names_namespace_and_request_never_content(gw) -> None:
     assert any(x["namespace"] == "tenant:gamma" and x["blocks"] > 0 for x in lines)
     assert not any(x["wrong_namespace"] for x in lines)
     assert "apple pear" not in "\n".join(json.dumps(x) for x in lines)
+
+
+def test_a_bundle_longer_than_every_context_is_refused(gw) -> None:
+    """A bundle that leaves no room for a request in any served model's context (512 here)
+    could never be used: 400 bundle_too_long, and nothing is stored. Issue 33."""
+    huge = [{"role": "system", "content": "Always answer politely and briefly. " * 200}]
+    r = post(gw, KEYS["gamma"], "/v1/prompt_bundles", {"name": "huge", "messages": huge})
+    err = assert_openai_error(r, 400, param="messages", code="bundle_too_long")
+    assert "cannot fit any served model's context" in err["message"]
+    listing = httpx.get(gw.url("/v1/prompt_bundles"), headers=auth(KEYS["gamma"]), timeout=30)
+    assert "huge" not in [b["name"] for b in listing.json()["data"]]
