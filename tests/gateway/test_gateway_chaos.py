@@ -221,3 +221,36 @@ def test_kill_9_with_requests_in_flight_then_restart(server) -> None:
         row, = ledger_rows(server.db, idempotency_key=k)
         assert row["request_id"] == r.headers["x-request-id"] and row["status"] == 200
     assert len(ledger_rows(server.db, idempotency_key=done_key)) == 1
+
+
+def test_queue_timeout_counts_from_arrival(tmp_path_factory) -> None:
+    """A saturated engine and a request whose body takes 0.8 s to arrive: with
+    `queue.timeout_s: 1` it is dropped ~1 s after it arrived, not 1 s after it was admitted
+    (issue 33: a 30 s timeout fired at 37.9 s under load). The two held streams are 8000
+    tokens long, so they outlast the window on a fast machine too."""
+    folder = tmp_path_factory.mktemp("queue-timeout")
+    model = build_tiny_model(folder / "model", 8192)
+    server = start(folder, model, "--num-kv-blocks", "1100", "--max-num-seqs", "2",
+                   "--max-model-len", "8192", queue={"timeout_s": 1, "max_requests": 16})
+    streams: list[Stream] = []
+    try:
+        streams = [Stream(server, completion(f"Story {i}", max_tokens=8000)) for i in range(2)]
+        assert all(s.first.wait(60) and s.status == 200 for s in streams)
+        body = json.dumps(completion("Queued slowly", max_tokens=4)).encode()
+
+        def slow_body() -> Iterator[bytes]:
+            yield body[:8]
+            time.sleep(0.8)
+            yield body[8:]
+
+        start_s = time.monotonic()
+        r = httpx.post(server.url(COMPLETIONS), content=slow_body(), timeout=60,
+                       headers=auth(KEYS["beta"], **{"Content-Type": "application/json"}))
+        elapsed = time.monotonic() - start_s
+        assert all(s._thread.is_alive() for s in streams), "the held streams ended early"
+        assert_openai_error(r, 503, code="queue_timeout")
+        assert 0.8 <= elapsed <= 1.6, elapsed     # from arrival (1 s), not admission (1.8 s)
+    finally:
+        for s in streams:
+            s.stop()
+        server.stop()

@@ -292,7 +292,9 @@ class TenantGateway(Gateway):
                         ctx.request_id, st.tenant.name, primary.name, chosen.name)
         timeout = st.tenant.effective_timeout(self.config.request_timeout_s, st.timeout_s)
         ctx.deadline = ctx.arrival_time + timeout
-        ctx.queue_deadline = time.time() + chosen.admission.queue_timeout_s
+        # the queue timeout counts from arrival: reading, parsing and tokenizing a request
+        # under load is time the client already waited
+        ctx.queue_deadline = ctx.arrival_time + chosen.admission.queue_timeout_s
         ctx.priority = self._priority(st.tenant, ctx.priority)
 
     def on_started(self, ctx: RequestContext) -> None:
