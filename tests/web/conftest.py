@@ -40,12 +40,13 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: str
 @pytest.fixture(scope="session")
 def gateway_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: str
                    ) -> Iterator[ServerProcess]:
-    """`llmserve serve --config` with one tenant ("web", response cache on), an admin key
-    and a ledger."""
+    """`llmserve serve --config` with one tenant ("web", response cache on), an admin key,
+    a ledger and per-tenant metrics (the Grafana dashboard's tenant row reads them)."""
     folder = tmp_path_factory.mktemp("web-gateway")
     config = write_config(folder, {"web": {"response_cache": True}}, {"web": TENANT_KEY},
                           database="ledger.db",
-                          admin={"keys": [hash_api_key(ADMIN_KEY)]})
+                          admin={"keys": [hash_api_key(ADMIN_KEY)]},
+                          metrics={"per_tenant": True})
     server = ServerProcess(config, ["--model", tiny_model, *SERVE_ARGS], folder / "server.log")
     yield server.start()
     server.stop()
