@@ -15,7 +15,7 @@ import logging
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def cmd_offline(args: argparse.Namespace, make_config: Callable) -> int:
     from llmserve.llm import LLM
 
     cfg = make_config(args)
-    llm = LLM(**{k: v for k, v in asdict(cfg).items()})
+    llm = LLM(**cfg.flags())
     vocab = llm.engine.model_config.vocab_size
     wl = make_workload(args.num_prompts, (args.input_min, args.input_max),
                        (args.output_min, args.output_max), vocab, args.seed,

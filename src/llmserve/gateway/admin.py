@@ -114,7 +114,7 @@ class AdminAPI:
         for served, engine in engines.items():
             tokens = await asyncio.to_thread(bundle_prefix_tokens, engine.tokenizer,
                                              list(messages), list(tools or []))
-            if len(tokens) < engine.max_model_len:
+            if len(tokens) + 2 <= engine.max_model_len:   # room for a user token and an answer
                 return
             sizes.append(f"{len(tokens)} tokens for {served!r} (context {engine.max_model_len})")
         if sizes:

@@ -114,6 +114,10 @@ def cmd_serve_replicas(args: argparse.Namespace, add_engine_args: Callable,
 
 def cmd_router(args: argparse.Namespace, limits_from_args: Callable) -> int:
     """``llmserve router --backend URL ...``."""
+    from llmserve.contract.names import check_name
+
+    if args.served_model_name is not None:   # it reaches headers and labels
+        check_name(args.served_model_name, "--served-model-name")
     router = _connect(args.backend, args.backend_token or os.environ.get(TOKEN_ENV), args)
     try:
         _serve_front(router, args, limits_from_args)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Sequence, Union, cast
 
 from llmserve.contract.engine_client import EngineClient, LoraAdmin, LoraEngineClient
 from llmserve.contract.errors import OpenAIError
@@ -47,6 +47,17 @@ class LoraModelView:
 
     def __getattr__(self, name: str) -> Any:   # tokenizer, max_model_len, abort, stats ...
         return getattr(self.base_engine, name)
+
+    # Spelled out (not only through __getattr__): from Python 3.12 ``isinstance`` against a
+    # runtime-checkable protocol looks attributes up statically, past __getattr__.
+    async def pin_prefix(self, pin_id: str, token_ids: Sequence[int], cache_salt: Optional[str],
+                         max_blocks: Optional[int] = None) -> int:
+        """The base engine's ``pin_prefix`` (contract.PrefixPinning)."""
+        return await self.base_engine.pin_prefix(pin_id, token_ids, cache_salt, max_blocks)
+
+    async def unpin_prefix(self, pin_id: str) -> int:
+        """The base engine's ``unpin_prefix`` (contract.PrefixPinning)."""
+        return await self.base_engine.unpin_prefix(pin_id)
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  *, priority: Union[int, str, None] = None,
