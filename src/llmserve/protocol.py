@@ -168,6 +168,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_steps: int = 0
     num_step_errors: int = 0       # steps whose model execution raised (culprits isolated)
+    num_step_reruns: int = 0       # extra runs of (parts of) those steps to isolate them
     weight_bytes: int = 0          # model weights resident (packed formats at their size)
     kv_bytes_per_token: int = 0    # KV pool bytes per token slot (all layers, K and V, scales)
     spec_proposed_tokens_total: int = 0   # speculative draft tokens verified

@@ -51,7 +51,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1              # -1 (or None) disables
+    top_k: int = -1              # -1, 0 or None disables (0 as in vLLM and transformers)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -132,8 +132,10 @@ class SamplingParams:
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         top_k = integer("top_k", self.top_k)
-        if top_k == 0 or top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
+        if top_k == 0:
+            self.top_k = -1
         if not 0.0 <= num("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         low, high = REPETITION_PENALTY_RANGE

@@ -197,3 +197,28 @@ def test_merged_outputs_keep_prompt_logprobs_and_subsets_count_prefill_only():
     assert subset(sched, items).num_prefill_tokens == 8
     assert subset(sched, items[:1]).num_prefill_tokens == 0
     assert subset(sched, items[:1]).num_batched_tokens == 4
+
+
+def test_isolate_failures_with_named_culprits_reruns_the_rest_once():
+    # the error names items 2 and 5 (a sampler that saw NaN logits in their rows): they
+    # fail without a search, the others run again exactly once, 4 still waits on 2
+    calls = []
+
+    def run_subset(items):
+        calls.append(list(items))
+        if {2, 5} & set(items):
+            raise RuntimeError("boom")
+        return list(items)
+
+    def depends_on(item, lost):
+        return item == 4 and 2 in lost
+
+    first = RuntimeError("rows 2 and 5 are NaN")
+    out = isolate_failures(list(range(8)), run_subset, first, depends_on, known_culprits=[2, 5])
+    assert [i for i, _ in out.failed] == [2, 5] and all(e is first for _, e in out.failed)
+    assert out.deferred == [4]
+    assert calls == [[0, 1, 3, 6, 7]] and out.runs == 1
+    # a culprit the error did not name is still found by the search
+    out = isolate_failures(list(range(8)), run_subset, first, known_culprits=[2])
+    assert sorted(i for i, _ in out.failed) == [2, 5]
+    assert sorted(i for items, _ in out.results for i in items) == [0, 1, 3, 4, 6, 7]

@@ -138,3 +138,46 @@ def test_async_llm_fails_only_the_culprit(llm):
     assert err.input_error and err.error_id in str(err)
     assert {o.request_id: tokens_of(o) for o in outs} == alone
     assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_nan_logits_fail_their_requests_with_one_rerun_of_the_rest(llm):
+    """NaN produced at run time names its rows: the culprits fail at once and their
+    batch-mates' step runs again exactly once (no bisection), with the tokens they get
+    alone."""
+    engine = llm.engine
+    alone = {rid: tokens_of(llm.generate([p], params)[0]) for rid, p, params in innocents()[:4]}
+    before = engine.get_stats()
+    calls = []
+    execute = engine.runner.execute
+
+    def counting(step_input):
+        calls.append(engine.scheduler.step_index)
+        return execute(step_input)
+
+    engine.runner.execute = counting
+    results: dict[str, RequestOutput] = {}
+    try:
+        for rid, p, params in innocents()[:4]:
+            engine.add_prepared(*engine.make_requests(rid, p, params, cache_salt="nan-rerun"))
+        steps = 0
+        while engine.has_unfinished_requests():
+            if steps == 3:   # two NaN rows join the running batch in one step
+                for rid, p in (("nan_a", PROMPTS[4]), ("nan_b", PROMPTS[5])):
+                    user, children = engine.make_requests(rid, p, dataclasses.replace(GREEDY))
+                    children[0].sampling_params.repetition_penalty = 1e-300
+                    engine.add_prepared(user, children)
+            for out in engine.step():
+                acc = results.setdefault(out.request_id, RequestOutput(out.request_id, None, [], []))
+                merge_delta(acc, out)
+            steps += 1
+    finally:
+        engine.runner.execute = execute
+    after = engine.get_stats()
+    for rid, *_ in innocents()[:4]:
+        assert tokens_of(results[rid]) == alone[rid], rid
+    for rid in ("nan_a", "nan_b"):
+        assert results[rid].error is not None and "NaN" in str(results[rid].error)
+    assert after.num_step_errors - before.num_step_errors == 1
+    assert after.num_step_reruns - before.num_step_reruns == 1
+    assert len(calls) == steps + 1    # one step ran twice, every other step once
+    assert engine.kv.num_used_blocks == 0

@@ -61,7 +61,8 @@ def components(served):
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(req)
         ok = op["responses"]["200"]["content"]
         assert ok["application/json"]["schema"]["$ref"].endswith(resp)
-        assert chunk in json.dumps(ok["text/event-stream"]["x-event-schema"])
+        data = ok["text/event-stream"]["schema"]["properties"]["data"]["anyOf"]
+        assert data[0] == {"const": "[DONE]"} and chunk in json.dumps(data[1]["contentSchema"])
         assert op["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith(
             "ErrorResponse")
     return spec["components"]["schemas"]

@@ -13,7 +13,7 @@ import pytest
 
 from llmserve.gateway import hash_api_key
 from tests.gateway.gateway_server_helpers import write_config
-from tests.server.server_helpers import assert_openai_error
+from tests.server.server_helpers import assert_openai_error, metric_value
 
 pytest.importorskip("peft")
 
@@ -73,9 +73,9 @@ def engine(tiny) -> Iterator[Any]:
     eng.shutdown()
 
 
-def complete(client: openai.OpenAI, model: str, **kw: Any) -> Any:
-    return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
-                                     **kw)
+def complete(client: openai.OpenAI, model: str, max_tokens: int = 6, **kw: Any) -> Any:
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                     temperature=0, **kw)
 
 
 def test_adapters_are_served_model_names(engine, tiny, start_server):
@@ -252,3 +252,65 @@ def test_a_release_canary_can_be_an_adapter(engine, tiny, start_server, tmp_path
     finally:
         httpx.post(live.url("/v1/unload_lora_adapter"), json={"lora_name": "late"},
                    headers=admin, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def overflowing_adapter(tiny, tmp_path_factory) -> str:
+    """Adapter a with finite but huge weights: it passes the load checks, and its delta
+    overflows to inf (then NaN) at run time."""
+    import safetensors.torch
+
+    path = str(tmp_path_factory.mktemp("overflow_lora") / "overflow")
+    shutil.copytree(tiny[1], path)
+    file = os.path.join(path, "adapter_model.safetensors")
+    tensors = {k: v.sign() * 1e30 for k, v in safetensors.torch.load_file(file).items()}
+    safetensors.torch.save_file(tensors, file)
+    return path
+
+
+def test_nan_at_run_time_fails_only_its_request_with_one_rerun(engine, tiny, overflowing_adapter,
+                                                               start_server):
+    """An adapter whose output overflows loads (its weights are finite), then each request
+    to it fails alone with a 500 that says why; requests sharing its steps keep their
+    tokens, and each failed step is re-run once, not bisected."""
+    import threading
+
+    live = start_server(engine, served_model_names=["base"])
+    client = openai.OpenAI(base_url=live.url("/v1"), api_key="unused", max_retries=0)
+    r = httpx.post(live.url("/v1/load_lora_adapter"),
+                   json={"lora_name": "overflow", "lora_path": overflowing_adapter}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        long = {"max_tokens": 40, "extra_body": {"ignore_eos": True}}
+        alone = {m: complete(client, m, **long).choices[0].text for m in ("base", "a")}
+        metrics0 = httpx.get(live.url("/metrics"), timeout=30).text
+        texts: dict[str, str] = {}
+        started = threading.Barrier(3)
+
+        def stream(model: str) -> None:
+            chunks = complete(client, model, stream=True, **long)
+            parts = []
+            for i, chunk in enumerate(chunks):
+                if i == 1:
+                    started.wait(timeout=60)
+                parts.append(chunk.choices[0].text)
+            texts[model] = "".join(parts)
+
+        threads = [threading.Thread(target=stream, args=(m,)) for m in ("base", "a")]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)   # both streams are decoding: the bad request joins them
+        with pytest.raises(openai.InternalServerError) as info:
+            complete(client, "overflow")
+        for t in threads:
+            t.join(timeout=120)
+        assert "NaN or infinite logits" in str(info.value)
+        assert texts == alone
+        metrics1 = httpx.get(live.url("/metrics"), timeout=30).text
+        errors = (metric_value(metrics1, "llmserve_step_errors_total")
+                  - metric_value(metrics0, "llmserve_step_errors_total"))
+        reruns = (metric_value(metrics1, "llmserve_step_reruns_total")
+                  - metric_value(metrics0, "llmserve_step_reruns_total"))
+        assert errors >= 1 and reruns == errors
+    finally:
+        httpx.post(live.url("/v1/unload_lora_adapter"), json={"lora_name": "overflow"}, timeout=60)

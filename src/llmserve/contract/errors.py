@@ -76,6 +76,12 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+#: ``code`` of a 400 for fields that are each valid but not together (``min_tokens`` above
+#: ``max_tokens``, ``stream_options`` without ``stream``, ...): rules a JSON Schema cannot
+#: state, so a body /openapi.json accepts may still get it (see server/protocol/openapi.py)
+INCOMPATIBLE_PARAMETERS = "incompatible_parameters"
+
+
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
     """A 400 invalid_request_error."""
     return OpenAIError(400, message, param=param, code=code)

@@ -223,6 +223,9 @@ class Gateway:
     #: whether /metrics may carry series labelled by tenant or cache namespace (/metrics
     #: needs no key, so a gateway opts in; aggregates otherwise)
     per_tenant_metrics: bool = False
+    #: whether ``prepare`` resolves a chat request's ``prompt_bundle`` (into
+    #: ``ctx.prefix_messages``); /openapi.json lists the field only then
+    resolves_prompt_bundles: bool = False
 
     async def authenticate(self, ctx: RequestContext) -> None:
         """Identify the caller from ``ctx.headers``; raise OpenAIError(401) to reject."""

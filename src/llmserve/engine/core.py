@@ -97,6 +97,7 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_step_errors = 0
+        self.num_step_reruns = 0
         self._timed: dict[str, Request] = {}   # requests with a deadline or queue deadline
 
     def add_request(self, request: Request) -> None:
@@ -226,6 +227,7 @@ class EngineCore:
     def _settle_failures(self, failures: StepFailures) -> list[SequenceUpdate]:
         """Fail the culprits, requeue what depended on them; drop their blocks' hashes
         (the KV those blocks should hold this step was never written)."""
+        self.num_step_reruns += failures.reruns
         self.kv.drop_cached_blocks(failures.written_blocks)
         for s in failures.deferred:
             self.scheduler.requeue(s.request)
@@ -255,6 +257,7 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             num_steps=s.step_index,
             num_step_errors=self.num_step_errors,
+            num_step_reruns=self.num_step_reruns,
             weight_bytes=self.runner.weight_bytes,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),

@@ -10,6 +10,8 @@ failed alone::
                            [e] ok  [f] raised -> f is a culprit
 
 With ``k`` culprits among ``n`` items that costs at most about ``2 k log2(n)`` extra runs.
+When the error itself names the culprits (a sampler that found NaN logits in some rows
+says which), they fail at once and the others run again once: one extra run, not a search.
 
 Items may depend on each other within a step: a request that hit, in the prefix cache,
 blocks another request registers in the same step reads the KV that request writes.
@@ -53,6 +55,7 @@ def isolate_failures(
     run: Callable[[list[T]], R],
     first_error: BaseException,
     depends_on: Optional[Callable[[T, list[T]], bool]] = None,
+    known_culprits: Sequence[T] = (),
 ) -> IsolationResult[T, R]:
     """Find the items of a failed run that make ``run`` raise, and run the others.
 
@@ -64,8 +67,12 @@ def isolate_failures(
         depends_on: ``depends_on(item, others)`` is True when ``item`` reads what one of
             ``others`` writes in this step; such an item is deferred once one of them has
             failed or been deferred. None: the items are independent.
+        known_culprits: items ``first_error`` names as its cause; they fail with it
+            without being run again, and the rest is run as one group first.
     """
     out: IsolationResult[T, R] = IsolationResult()
+    known = [item for item in items if any(item is c for c in known_culprits)]
+    out.failed.extend((item, first_error) for item in known)
 
     def blocked(item: T) -> bool:
         if depends_on is None:
@@ -99,5 +106,8 @@ def isolate_failures(
         solve(runnable[:mid], None)
         solve(runnable[mid:], None)
 
-    solve(list(items), first_error)
+    if known:
+        solve([item for item in items if not any(item is c for c in known)], None)
+    else:
+        solve(list(items), first_error)
     return out

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from llmserve.engine.isolation import isolate_failures
 from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from llmserve.engine.step_types import StepOutput
+from llmserve.engine.step_types import NonFiniteLogitsError, StepOutput
 from llmserve.protocol import RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class StepFailures:
     failed: list[tuple[ScheduledRequest, RequestFailedError]] = field(default_factory=list)
     deferred: list[ScheduledRequest] = field(default_factory=list)
     written_blocks: list[int] = field(default_factory=list)
+    reruns: int = 0   # how many times (part of) the step ran again to find them
 
 
 def blocks_written(item: ScheduledRequest, table: list[int], block_size: int) -> list[int]:
@@ -70,6 +71,10 @@ def request_error(item: ScheduledRequest, exc: BaseException, step: int) -> Requ
     rid = item.request.request_id
     logger.error("request %s failed the model step %d alone (error id %s)", rid, step,
                  error_id, exc_info=exc)
+    if isinstance(exc, NonFiniteLogitsError):
+        return RequestFailedError(
+            f"the model produced NaN or infinite logits for this request (a broken adapter or "
+            f"a numeric overflow; error id {error_id})", error_id=error_id, input_error=False)
     if isinstance(exc, INPUT_ERRORS):
         return RequestFailedError(
             f"the request could not be run with its parameters: {exc} (error id {error_id})",
@@ -120,11 +125,13 @@ def execute_isolated(
         return any(reads.intersection(blocks_written(o, table(o), block_size))
                    for o in lost if o is not item)
 
+    named = set(first_error.request_ids) if isinstance(first_error, NonFiniteLogitsError) else set()
+    known = [s for s in sched.scheduled if s.request.request_id in named]
     iso = isolate_failures(sched.scheduled, lambda items: execute(subset(sched, items)),
-                           first_error, depends_on)
+                           first_error, depends_on, known_culprits=known)
     failures = StepFailures(
         failed=[(item, request_error(item, exc, sched.step)) for item, exc in iso.failed],
-        deferred=list(iso.deferred))
+        deferred=list(iso.deferred), reruns=iso.runs)
     for item in [f for f, _ in iso.failed] + iso.deferred:
         failures.written_blocks.extend(blocks_written(item, table(item), block_size))
     if iso.deferred:

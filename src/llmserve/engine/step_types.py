@@ -87,6 +87,19 @@ class StepInput:
         return all(n == 1 for n in self.num_new_tokens)
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """Some sequences of a step have no finite logit to sample from (NaN, or every token
+    -inf): a broken adapter or an overflow. ``request_ids`` names them (the runner fills it
+    in from the sampler's ``rows``), so the engine core fails exactly those and re-runs the
+    rest of the step once, instead of bisecting the batch to find them."""
+
+    def __init__(self, message: str, *, rows: Sequence[int] = (),
+                 request_ids: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.rows = list(rows)
+        self.request_ids = list(request_ids)
+
+
 @dataclass
 class StepOutput:
     """Sampled tokens of the sampling sequences, in StepInput order.

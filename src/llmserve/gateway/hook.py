@@ -157,6 +157,8 @@ class TenantGateway(Gateway):
         bundles: the prompt-bundle registry (default: in memory).
     """
 
+    resolves_prompt_bundles = True   # caches/hooks.py resolves them in prepare
+
     def __init__(self, config: GatewayConfig, models: Mapping[str, Any], *,
                  ledger: Optional[BillingLedger] = None, store: Optional[IdempotencyStore] = None,
                  limiter: Optional[TenantRateLimiter] = None,

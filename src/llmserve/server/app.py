@@ -35,6 +35,7 @@ from llmserve.server.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 from llmserve.server.metrics.status import StatusSampler
 from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.protocol.openapi import install_openapi
+from llmserve.server.protocol.response_shaping import has_fim_tokens
 from llmserve.server.serving import OpenAIServing
 from llmserve.server.ui.pages import install_ui_routes
 
@@ -195,7 +196,9 @@ def create_app(
     vocab = [getattr(e.tokenizer, "vocab_size", None) for e in distinct]
     sizes = [v for v in vocab if isinstance(v, int)]
     install_openapi(app, input_limits, max(e.max_model_len for e in distinct),
-                    max(sizes) if len(sizes) == len(vocab) else None)
+                    max(sizes) if len(sizes) == len(vocab) else None,
+                    prompt_bundles=gateway is not None and gateway.resolves_prompt_bundles,
+                    fill_in_the_middle=all(has_fim_tokens(e.tokenizer) for e in distinct))
     return app
 
 

@@ -23,13 +23,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from llmserve.contract.engine_client import EngineClient
-from llmserve.contract.errors import OpenAIError, bad_request
+from llmserve.contract.errors import INCOMPATIBLE_PARAMETERS, OpenAIError, bad_request
 from llmserve.contract.gateway_hook import CapturedResponse, Gateway, OutcomeStatus, RequestContext, call_hook, notify
 from llmserve.contract.server_limits import PARSE_INLINE_BYTES, ServerLimits
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import value_error_to_openai
 from llmserve.server.fair_pool import FairThreadPool
 from llmserve.server.generation import GenerationRun
+from llmserve.server.headers import unsendable_header
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.metrics.prometheus import RequestTimer, ServerMetrics
 from llmserve.server.protocol.openai import (
@@ -140,7 +141,8 @@ class OpenAIServing:
         tok = engine.tokenizer
         if suffix:  # fill-in-the-middle (a 400 without FIM tokens); "" is no suffix
             if not all(isinstance(p, str) for p in prompts):
-                raise bad_request("suffix needs text prompts", param="suffix")
+                raise bad_request("suffix needs text prompts", param="suffix",
+                                  code=INCOMPATIBLE_PARAMETERS)
             return [fim_prompt(tok, p, suffix) for p in prompts]  # type: ignore[arg-type]
         vocab = getattr(tok, "vocab_size", None)
         if not isinstance(vocab, int) and hasattr(tok, "__len__"):
@@ -229,14 +231,19 @@ class OpenAIServing:
             if served not in self.engines:
                 raise OpenAIError(500, f"the gateway chose model {served!r}, which is not served",
                                   code="internal_error")
+            headers = {SERVED_BY_HEADER: served, **ctx.response_headers}
+            bad_header = unsendable_header(headers)
+            if bad_header is not None:   # refused before anything runs, is billed or stored
+                raise OpenAIError(500, f"the response header {bad_header} cannot be sent",
+                                  code="internal_error")
         except BaseException as exc:
             self._release_ids(engine_ids)
             if isinstance(exc, OpenAIError):
                 self.metrics.admission.count_rejected(exc.status, exc.code)
             await notify(self.gateway, "on_reject", ctx, exc)
             raise
-        return await self._run(request, ctx, prompts, params, engine_ids, served, chat=chat,
-                               req=req, arrival=arrival)
+        return await self._run(request, ctx, prompts, params, engine_ids, served, headers,
+                               chat=chat, req=req, arrival=arrival)
 
     async def _read(self, request: Request, ctx: RequestContext, arrival: float) -> bytes:
         """Size check and ``preadmit`` from the raw size, then the body (413 / 408).
@@ -313,20 +320,22 @@ class OpenAIServing:
             raise bad_request(f"the {what} encode to zero tokens", param=what)
         if len(prompts) * params.n > MAX_CHOICES_PER_REQUEST:
             raise bad_request(f"prompts x n must be at most {MAX_CHOICES_PER_REQUEST}",
-                              param="n")
+                              param="n", code=INCOMPATIBLE_PARAMETERS)
         longest = max(len(p) for p in prompts)
         max_tokens = self._resolve_max_tokens(engine, requested, max_field, longest, what)
         if max_tokens != params.max_tokens:
             try:
                 params = dataclasses.replace(params, max_tokens=max_tokens)
-            except ValueError as exc:
-                raise value_error_to_openai(exc) from None
+            except ValueError as exc:   # min_tokens beyond the room the prompt leaves
+                err = value_error_to_openai(exc)
+                err.code = "context_length_exceeded"
+                raise err from None
         ctx.sampling_params = params
         return req, prompts, params, max_tokens
 
     async def _run(self, request: Request, ctx: RequestContext, prompts: list[list[int]],
-                   params: SamplingParams, engine_ids: list[str], served: str, *, chat: bool,
-                   req: Any, arrival: float) -> Any:
+                   params: SamplingParams, engine_ids: list[str], served: str,
+                   headers: dict[str, str], *, chat: bool, req: Any, arrival: float) -> Any:
         engine = self.engines[served]
         run = GenerationRun(engine, prompts, params, engine_ids, ctx, self.metrics,
                             RequestTimer(self.metrics, arrival), self.gateway, self._release_ids,
@@ -340,7 +349,6 @@ class OpenAIServing:
         header = ResponseHeader(f"{prefix}-{ctx.request_id}",
                                 obj + ".chunk" if chat and req.stream else obj,
                                 int(time.time()), served, engine.fingerprint)
-        headers = {SERVED_BY_HEADER: served, **ctx.response_headers}
         if req.stream:
             events = stream_events(run, header, chat=chat, include_usage=req.include_usage,
                                    want_logprobs=want_logprobs, capture=ctx.capture_response,
@@ -366,11 +374,19 @@ class OpenAIServing:
             await run.finish(OutcomeStatus.ERROR, err.message,
                              CapturedResponse(err.status, dict(err.headers), body=err.body()))
             raise err
-        body = self._body(run, header, chat, opts)
+        try:   # encoded before it is billed or stored: what cannot be sent is neither
+            body = self._body(run, header, chat, opts)
+            response = JSONResponse(body, headers=headers)
+        except Exception as exc:  # noqa: BLE001 - answered as a 500, recorded as one
+            logger.exception("request %s: the response could not be encoded", ctx.request_id)
+            await run.finish(OutcomeStatus.ERROR, f"response not encodable: {exc!r}",
+                             http_status=500)
+            raise OpenAIError(500, "the response could not be encoded", code="internal_error",
+                              ) from None
         await run.finish(OutcomeStatus.COMPLETED, None,
                          CapturedResponse(200, {"Content-Type": "application/json", **headers},
                                           body=body))
-        return JSONResponse(body, headers=headers)
+        return response
 
     @staticmethod
     def _body(run: GenerationRun, header: ResponseHeader, chat: bool, opts: ResponseOptions,

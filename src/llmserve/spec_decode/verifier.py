@@ -27,7 +27,7 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
-from llmserve.engine.step_types import StepInput
+from llmserve.engine.step_types import NonFiniteLogitsError, StepInput
 from llmserve.model.sampling.sampler import Sampler, SamplingBatch, inverse_cdf_draw
 
 Verified = tuple[list[list[int]], Optional[list[list[float]]], Optional[list[list[list]]]]
@@ -60,7 +60,8 @@ def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
 
     ``logits``: ``[sum(num_samples), vocab]``, the sampled sequences' rows in ``sampled``
     order. Returns (token ids, logprobs, top logprobs) per sequence, as StepOutput holds
-    them. Raises RuntimeError for a row with no finite logit (like the sampler).
+    them. Raises NonFiniteLogitsError naming the sequences (indices into ``sampled``) with
+    a row that has no finite logit, like the sampler.
     """
     dev = logits.device
     vocab = logits.shape[-1]
@@ -130,8 +131,9 @@ def verify_drafts(logits: torch.Tensor, step: StepInput, sampled: list[int],
             for gen, state in saved:  # must draw what the good ones would have
                 gen.set_state(state)
         rows = [r for r, v in enumerate(bad_l) if v]
-        raise RuntimeError(f"cannot verify rows {rows}: their logits are NaN or all -inf "
-                           f"(e.g. every token masked by min_tokens)")
+        seqs = sorted({seq_of_row[r] for r in rows})
+        raise NonFiniteLogitsError(f"cannot verify rows {rows}: their logits are NaN or all "
+                                   f"-inf (e.g. every token masked by min_tokens)", rows=seqs)
     tokens = [list(d[:a]) + [f] for d, a, f in zip(drafts, n_acc, final_l)]
     if batch is None or batch.max_logprobs < 0:
         return tokens, None, None

@@ -3,6 +3,7 @@ rejection counter, in a real in-process HTTP server over the fake engine with a 
 SQLite ledger."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional
@@ -115,3 +116,84 @@ def test_rejections_are_counted_by_reason(live) -> None:
     after = {reason: rejected(reason) for reason in before}
     assert {reason: after[reason] - before[reason] for reason in before} == {
         "auth": 1, "rate_limit": 1, "too_large": 1, "invalid": 1, "timeout": 1}
+
+
+class CorruptingGateway:
+    """Wraps the real gateway: after it admits a request, a header value with a line break
+    is added (as a name that slipped past validation would be), or, for prompts that ask,
+    the engine's logprobs become NaN (a body that JSON cannot encode)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def admit(self, ctx: Any) -> None:
+        await self.inner.admit(ctx)
+        if "__bad_header__" in ctx.raw_body.decode():
+            ctx.response_headers["X-Release"] = "v1\r\nX-Injected: yes"
+
+
+class NanLogprobEngine(QueueingFakeEngine):
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kw: Any
+                       ) -> AsyncIterator[RequestOutput]:
+        nan = "__nan_body__" in self.tokenizer.decode(list(prompt))
+        async for out in super().generate(prompt, params, request_id, **kw):
+            for c in out.outputs:
+                for lp in c.logprobs or []:
+                    if nan:
+                        lp.logprob = float("nan")
+            yield out
+
+
+@pytest.fixture
+def corrupting(tmp_path: Path) -> Iterator[LiveServer]:
+    engine = NanLogprobEngine(token_delay=0.01)
+    config = write_config(tmp_path, TENANTS, KEYS, database="ledger.db")
+    gateway = CorruptingGateway(build_gateway(str(config), engine, served_model_names=["big"]))
+    server = LiveServer(engine, served_model_names=["big"], gateway=gateway).start()
+    server.db = tmp_path / "ledger.db"  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("content, stream", [("__bad_header__", False), ("__bad_header__", True),
+                                             ("__nan_body__", False), ("__nan_body__", True)])
+def test_a_response_that_cannot_be_sent_is_not_billed_200_nor_replayed(corrupting, content,
+                                                                       stream) -> None:
+    """Issue 33, finding 2: the client gets a 500 with a JSON error instead of an empty
+    reply, the ledger records a 500, and a retry with the same Idempotency-Key runs again
+    (it is not served the broken response from the store)."""
+    body = chat(content, stream=stream, logprobs=True)
+    for attempt in range(2):
+        headers = auth(KEYS["beta"], **{"Idempotency-Key": f"k-{content}-{stream}",
+                                        "X-Request-Id": f"r{attempt}-{content}-{stream}"})
+        r = httpx.post(corrupting.url(CHAT), json=body, headers=headers, timeout=30)
+        if stream and content == "__nan_body__":   # started: the error is its last event
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["code"] == "internal_error", events
+            assert all("NaN" not in e for e in events)
+            rows = [r for r in ledger_rows(corrupting.db)
+                    if r["request_id"].split(".")[0] == f"r{attempt}-{content}-{stream}"]
+            assert [row["finish_reason"] for row in rows] == ["error"], rows   # not replayed
+            continue
+        err = assert_openai_error(r, 500, code="internal_error")
+        assert "cannot be sent" in err["message"] or "could not be encoded" in err["message"]
+        assert "idempotent-replayed" not in r.headers and "x-injected" not in r.headers
+        rid = f"r{attempt}-{content}-{stream}"
+        if content == "__nan_body__":   # it ran: billed what it used, as a 500
+            assert wait_until(lambda: any(r["request_id"].split(".")[0] == rid
+                                          for r in ledger_rows(corrupting.db)), 5), rid
+        rows = [r for r in ledger_rows(corrupting.db) if r["request_id"].split(".")[0] == rid]
+        assert [r["status"] for r in rows] == [500] * len(rows), rows
+        if content == "__bad_header__":   # refused before the engine ran: nothing to bill
+            assert rows == [] and not any(c["request_id"].startswith(rid)
+                                          for c in corrupting.engine.calls)
+    if not stream or content == "__bad_header__":
+        assert not ledger_rows(corrupting.db, status=200)
+    # the server goes on answering everyone else
+    r = httpx.post(corrupting.url(CHAT), json=chat("fine"), headers=auth(KEYS["beta"]), timeout=30)
+    assert r.status_code == 200, r.text

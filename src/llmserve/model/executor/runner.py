@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.engine.step_types import StepInput, StepOutput
+from llmserve.engine.step_types import NonFiniteLogitsError, StepInput, StepOutput
 from llmserve.lora.manager import LoraManager
 from llmserve.model.attention.backend import make_backend
 from llmserve.model.attention.reference import group_key
@@ -240,8 +240,25 @@ class ModelRunner:
         verify_rows = [first_row[i] + j for i in rest for j in range(step.num_samples[i])]
         pick = torch.tensor(verify_rows + [first_row[i] for i in plain], device=logits.device)
         logits = logits.index_select(0, pick)
-        verified = self._verify(step, rest, logits[:len(verify_rows)], StepOutput())
-        return _concat(verified, self._sample_rows(step, plain, logits[len(verify_rows):], out))
+        # both halves run, so one error names every culprit; the plain half's seeded
+        # generators are rewound if the step fails, as the sampler rewinds its own
+        bad: list[str] = []
+        gens = [self._generator(step.request_ids[i], step.sampling[i].params) for i in plain]
+        saved = [(g, g.get_state()) for g in gens if g is not None]
+        verified = sampled_rows = StepOutput()
+        try:
+            verified = self._verify(step, rest, logits[:len(verify_rows)], StepOutput())
+        except NonFiniteLogitsError as exc:
+            bad += exc.request_ids
+        try:
+            sampled_rows = self._sample_rows(step, plain, logits[len(verify_rows):], out)
+        except NonFiniteLogitsError as exc:
+            bad += exc.request_ids
+        if bad:
+            for gen, state in saved:
+                gen.set_state(state)
+            raise NonFiniteLogitsError(f"no finite logits to sample for {bad}", request_ids=bad)
+        return _concat(verified, sampled_rows)
 
     @staticmethod
     def _rows_of_sampled(logits: torch.Tensor, step: StepInput, order: list[int],
@@ -268,15 +285,20 @@ class ModelRunner:
             out.logits = logits.cpu()
         samp = [step.sampling[i] for i in sampled]
         out.request_ids = [step.request_ids[i] for i in sampled]
-        if all(_plain_greedy(s) for s in samp):
-            out.token_ids = [[t] for t in _argmax_tokens(logits)]
-            return out
-        gens = [self._generator(step.request_ids[i], s.params) for i, s in zip(sampled, samp)]
-        batch = SamplingBatch.build([s.params for s in samp], [s.prompt_token_ids for s in samp],
-                                    [s.output_token_ids for s in samp], gens, logits.shape[-1],
-                                    self.device, self.eos_token_ids)
-        self.adjuster.attach(batch, samp, out.request_ids)
-        result = self.sampler(logits, batch)
+        try:
+            if all(_plain_greedy(s) for s in samp):
+                out.token_ids = [[t] for t in _argmax_tokens(logits)]
+                return out
+            gens = [self._generator(step.request_ids[i], s.params)
+                    for i, s in zip(sampled, samp)]
+            batch = SamplingBatch.build([s.params for s in samp],
+                                        [s.prompt_token_ids for s in samp],
+                                        [s.output_token_ids for s in samp], gens,
+                                        logits.shape[-1], self.device, self.eos_token_ids)
+            self.adjuster.attach(batch, samp, out.request_ids)
+            result = self.sampler(logits, batch)
+        except NonFiniteLogitsError as exc:
+            raise _named(exc, step, sampled) from exc
         out.token_ids = [[t] for t in result.token_ids]
         if result.logprobs is not None:
             out.logprobs = [[lp] for lp in result.logprobs]
@@ -291,7 +313,10 @@ class ModelRunner:
             out.logits = logits.cpu()
         out.request_ids = [step.request_ids[i] for i in sampled]
         gens = [self._generator(step.request_ids[i], step.sampling[i].params) for i in sampled]
-        verified = verify_drafts(logits, step, sampled, gens, self.sampler, self.eos_token_ids)
+        try:
+            verified = verify_drafts(logits, step, sampled, gens, self.sampler, self.eos_token_ids)
+        except NonFiniteLogitsError as exc:
+            raise _named(exc, step, sampled) from exc
         out.token_ids, out.logprobs, out.top_logprobs = verified
         return out
 
@@ -334,6 +359,12 @@ def _concat(a: StepOutput, b: StepOutput) -> StepOutput:
     return out
 
 
+def _named(exc: NonFiniteLogitsError, step: StepInput, sampled: list[int]) -> NonFiniteLogitsError:
+    """The sampler's error with its rows (indices into ``sampled``) named by request id."""
+    ids = [step.request_ids[sampled[r]] for r in exc.rows]
+    return NonFiniteLogitsError(f"no finite logits to sample for {ids}", request_ids=ids)
+
+
 def _plain_greedy(s) -> bool:
     """Greedy on the raw logits: nothing changes or reports them this step."""
     p = s.params
@@ -348,5 +379,6 @@ def _argmax_tokens(logits: torch.Tensor) -> list[int]:
     tokens, bad_rows = torch.stack([index, bad.to(index.dtype)]).tolist()
     if any(bad_rows):
         rows = [i for i, b in enumerate(bad_rows) if b]
-        raise RuntimeError(f"cannot sample rows {rows}: their logits are NaN or all -inf")
+        raise NonFiniteLogitsError(f"cannot sample rows {rows}: their logits are NaN or all -inf",
+                                   rows=rows)
     return tokens

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from llmserve.engine.step_types import NonFiniteLogitsError
 from llmserve.model.sampling.batch import SamplingBatch
 from llmserve.model.sampling.logits_processors import apply_logit_bias_, apply_token_bitmask_
 
@@ -250,10 +251,9 @@ class Sampler:
             if not batch.all_greedy:  # undo the draws: a retry without the bad rows
                 for gen, state in saved:  # must draw what the good rows would have
                     gen.set_state(state)
-            raise RuntimeError(
+            raise NonFiniteLogitsError(
                 f"cannot sample rows {rows}: their logits are NaN or all -inf "
-                f"(e.g. every token masked by min_tokens)"
-            )
+                f"(e.g. every token masked by min_tokens)", rows=rows)
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids)
         return self._with_logprobs(token_ids, tokens, raw_logprobs, batch)

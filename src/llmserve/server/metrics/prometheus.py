@@ -176,6 +176,10 @@ class EngineStatsCollector(Collector):
         yield ("counter", "llmserve_step_errors",
                "Engine steps whose model execution raised (the failing requests were "
                "isolated and failed alone)", s.num_step_errors)
+        yield ("counter", "llmserve_step_reruns",
+               "Extra runs of failed steps' other requests while isolating the failing ones "
+               "(one per failed step when the error names its requests, e.g. NaN logits)",
+               s.num_step_reruns)
         for kind, name, field, doc in _STAT_SERIES:
             yield (kind, name, doc, getattr(s, field, 0))
 

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API, and their mapping to SamplingParams.
 
 Validation policy:
-  * types are strict: ``"0.5"`` is not a number, ``true`` is not an integer, ``1.0``
-    is not an integer; NaN and infinities are rejected;
+  * types are strict: ``"0.5"`` is not a number, ``true`` is not an integer; ``1.0`` is
+    the integer 1 (JSON Schema's rule, which /openapi.json states) and ``1.5`` is not;
+    NaN and infinities are rejected;
   * unknown top-level, message-level and content-part fields are rejected with a 400
     that names the field (``code: "unknown_parameter"``) -- silently ignoring a
     misspelled ``max_token`` would return something the caller did not ask for;
@@ -14,19 +15,35 @@ Validation policy:
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
 
-from llmserve.contract.errors import OpenAIError, bad_request
+from llmserve.contract.errors import INCOMPATIBLE_PARAMETERS, OpenAIError, bad_request
 from llmserve.protocol import priority_value
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import MAX_TOKEN_ID, SamplingParams
 from llmserve.server.errors import validation_error_to_openai, value_error_to_openai
 from llmserve.server.limits import DEFAULT_LIMITS, MAX_CHOICES_PER_REQUEST, RequestLimits, check_limits
 from llmserve.server.protocol.structured_request import request_spec
 from llmserve.server.protocol.tool_calls import check_message_tool_calls, check_tool_choice, check_tools, tool_call_spec
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _integral(value: Any) -> Any:
+    """A float with no fractional part as the int it equals (JSON Schema counts ``2.0`` as
+    an integer); anything else unchanged, for the strict check to judge."""
+    if type(value) is float and value.is_integer() and abs(value) < 2.0 ** 63:
+        return int(value)
+    if type(value) is list and any(type(x) is float for x in value):
+        return [_integral(x) for x in value]
+    return value
+
+
+#: an integer field: strict, except that an integral float such as ``5.0`` is the int 5
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+#: a list of integers (token ids), likewise
+JsonInts = Annotated[list[int], BeforeValidator(_integral)]
 
 #: What each union-typed field accepts, for error messages.
 FIELD_HINTS = {
@@ -51,12 +68,12 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[JsonInt] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: Optional[int] = None
+    n: Optional[JsonInt] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[JsonInt] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     stream: Optional[bool] = None
@@ -70,13 +87,13 @@ class _SamplingFields(BaseModel):
     # Extensions (vLLM-compatible names).
     structured_outputs: Optional[dict[str, Any]] = None
     _output_spec: Any = PrivateAttr(default=None)   # set by check(): the output constraint
-    top_k: Optional[int] = None
+    top_k: Optional[JsonInt] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    priority: Union[int, str, None] = None
+    priority: Union[JsonInt, str, None] = None
     ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = None
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Optional[JsonInt] = None
+    stop_token_ids: Optional[JsonInts] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     cache: Optional[bool] = None          # false: never served from / stored in the response cache
@@ -85,7 +102,7 @@ class _SamplingFields(BaseModel):
         """Checks that pydantic types cannot express; raises OpenAIError (400)."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
-                              param="stream_options")
+                              param="stream_options", code=INCOMPATIBLE_PARAMETERS)
         if self.n is not None and self.n < 1:   # the published schema's minimum
             raise bad_request(f"n must be at least 1, got {self.n}", param="n",
                               code="invalid_value")
@@ -117,13 +134,17 @@ class _SamplingFields(BaseModel):
 
 
 def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's ``{"token id as a string": bias}`` as ints; a non-integer key is a 400."""
+    """OpenAI's ``{"token id as a string": bias}`` as ints; a non-integer key is a 400.
+    An id beyond every vocabulary (above ``MAX_TOKEN_ID``) is dropped, as an id beyond this
+    model's vocabulary is ignored when the bias is applied."""
     out = {}
     for key, value in bias.items():
         if not key.isascii() or not key.isdigit():
             raise bad_request(f"logit_bias keys must be token ids (strings of digits), got "
                               f"{key!r}", param="logit_bias")
-        out[int(key)] = value
+        token = int(key)
+        if token <= MAX_TOKEN_ID:
+            out[token] = value
     return out
 
 
@@ -191,9 +212,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(default_factory=list)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[JsonInt] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[JsonInt] = None
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
@@ -227,10 +248,12 @@ class ChatCompletionRequest(_SamplingFields):
                                    self.parallel_tool_calls is not False)
         if tool_spec is not None and spec is not None:
             raise bad_request("a required or named tool_choice cannot be combined with "
-                              "response_format or structured_outputs", param="tool_choice")
+                              "response_format or structured_outputs", param="tool_choice",
+                              code=INCOMPATIBLE_PARAMETERS)
         self._output_spec = tool_spec or spec
         if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs",
+                              code=INCOMPATIBLE_PARAMETERS)
 
     def merge_bundle_tools(self, tools: Optional[list[dict[str, Any]]]) -> None:
         """Put a prompt bundle's tools before the request's own and run the tool checks
@@ -285,12 +308,12 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]], None] = None
-    logprobs: Optional[int] = None
+    prompt: Union[str, list[str], JsonInts, list[JsonInts], None] = None
+    logprobs: Optional[JsonInt] = None
     echo: Optional[bool] = None
-    best_of: Optional[int] = None
+    best_of: Optional[JsonInt] = None
     suffix: Optional[str] = None
-    prompt_logprobs: Optional[int] = None   # vLLM's extension: logprobs of the prompt tokens
+    prompt_logprobs: Optional[JsonInt] = None   # vLLM's extension: logprobs of the prompt tokens
 
     def check(self) -> None:
         """Request-level checks beyond types; raises OpenAIError (400)."""
@@ -302,11 +325,13 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None:
             if self.best_of < n:
                 raise bad_request(f"best_of ({self.best_of}) must be at least n ({n})",
-                                  param="best_of")
+                                  param="best_of", code=INCOMPATIBLE_PARAMETERS)
             if self.best_of > n and self.stream:
-                raise bad_request("best_of greater than n cannot be streamed", param="best_of")
+                raise bad_request("best_of greater than n cannot be streamed", param="best_of",
+                                  code=INCOMPATIBLE_PARAMETERS)
         if self.max_tokens == 0 and not self.echo:
-            raise bad_request("max_tokens 0 is only allowed with echo", param="max_tokens")
+            raise bad_request("max_tokens 0 is only allowed with echo", param="max_tokens",
+                              code=INCOMPATIBLE_PARAMETERS)
         self._output_spec = request_spec(None, self.structured_outputs)
 
     @property
@@ -386,6 +411,11 @@ def make_sampling_params(
         kwargs["prompt_logprobs"] = req.wants_prompt_logprobs
         if req.num_candidates > (req.n or 1) and logprobs is None:
             kwargs["logprobs"] = 0   # best_of ranks candidates by their sampled tokens' logprobs
+    min_tokens = kwargs.get("min_tokens")
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must not exceed {max_tokens_field} "
+                          f"({max_tokens})",
+                          param="min_tokens", code=INCOMPATIBLE_PARAMETERS)
     n = kwargs.get("n", 1)
     if isinstance(n, int) and n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"n must be at most {MAX_CHOICES_PER_REQUEST}, got {n}", param="n")

@@ -5,13 +5,18 @@ describe them; this module does: request schemas come from the same pydantic mod
 parser uses, tightened with what the parser checks beyond types (value ranges of
 ``SamplingParams``, the app's ``RequestLimits``, the served models' context length and
 vocabulary); response schemas from ``api_models``. A body valid under the request schema
-can still be refused (400) for cross-field rules: ``min_tokens <= max_tokens``, prompt +
-``max_tokens`` within the context, total prompt bytes, ``top_logprobs`` only with
-``logprobs``, ``stream_options`` only with ``stream``.
+can still be refused (400) for rules across fields, which JSON Schema cannot state, and
+each such refusal has its own ``code``: ``context_length_exceeded`` (prompt + ``max_tokens``
+or ``min_tokens`` beyond the context) and ``incompatible_parameters`` (``min_tokens <=
+max_tokens``, ``top_logprobs`` only with ``logprobs``, ``stream_options`` only with
+``stream``, ``best_of >= n`` and not streamed, ``max_tokens: 0`` only with ``echo``, a
+forced ``tool_choice`` with an output format, prompts x ``n`` at most 128). The request
+schemas' descriptions say so; tests/server/test_server_schemathesis.py holds the server to
+it.
 
-Streams are described as ``text/event-stream`` whose events (``data: <json>``, last
-``data: [DONE]``) follow the schema in the media type's ``x-event-schema``: a chunk, or
-an error object when the stream fails after it started.
+Streams are described as ``text/event-stream`` whose schema describes each event (the Open
+API 3.1 reading): its ``data`` is a chunk or, when the stream fails after it started, an
+error object, as JSON (``contentMediaType`` / ``contentSchema``), or the final ``[DONE]``.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from llmserve.sampling_params import (
 from llmserve.server.limits import MAX_CHOICES_PER_REQUEST, RequestLimits
 from llmserve.server.protocol.api_models import RESPONSE_MODELS
 from llmserve.server.protocol.openai import CHAT_ROLES, ChatCompletionRequest, CompletionRequest
+from llmserve.server.protocol.structured_request import IGNORED_STRUCTURED_KEYS
 
 _REF = "#/components/schemas/{model}"
 #: path -> (request schema, response schema, stream event schema)
@@ -44,6 +50,10 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": _REF.format(model=name)}
 
 
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
 def _tighten(prop: dict[str, Any], **constraints: Any) -> None:
     """Add `constraints` to the non-null alternative(s) of an optional property."""
     branches = [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
@@ -54,10 +64,11 @@ def _tighten(prop: dict[str, Any], **constraints: Any) -> None:
 def _sampling(props: dict[str, Any], limits: RequestLimits, max_len: int) -> None:
     low_t, high_t = TEMPERATURE_RANGE
     _tighten(props["temperature"], minimum=0, maximum=high_t,
-             description=f"0 (greedy) or in [{low_t:g}, {high_t:g}]")
+             description=f"0 (greedy) or in [{low_t:g}, {high_t:g}]",
+             **{"not": {"exclusiveMinimum": 0, "exclusiveMaximum": low_t}})
     _tighten(props["top_p"], exclusiveMinimum=0, maximum=1)
     _tighten(props["min_p"], minimum=0, maximum=1)
-    _tighten(props["top_k"], minimum=-1, description="-1 (disabled) or at least 1")
+    _tighten(props["top_k"], minimum=-1, description="-1 or 0 (disabled) or at least 1")
     _tighten(props["n"], minimum=1, maximum=MAX_CHOICES_PER_REQUEST)
     _tighten(props["max_tokens"], minimum=1, maximum=max_len)
     _tighten(props["min_tokens"], minimum=0, maximum=max_len)
@@ -76,20 +87,50 @@ def _sampling(props: dict[str, Any], limits: RequestLimits, max_len: int) -> Non
     _tighten(props["user"], maxLength=limits.max_name_chars)
     _tighten(props["logit_bias"], maxProperties=300, propertyNames={"pattern": "^[0-9]+$"},
              additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
-             description="token id (a string of digits, within the vocabulary) -> bias")
+             description="token id (a string of digits) -> bias; ids outside the vocabulary "
+                         "are ignored")
+    text = {"type": "string", "pattern": r"\S"}
     _tighten(props["structured_outputs"], description=(
         "exactly one of json (a JSON Schema), regex, choice (strings), grammar (Lark or "
-        "GBNF) or json_object: true; unsupported schema features are a 400"))
+        "GBNF) or json_object: true; a constraint that cannot be compiled or matches "
+        "nothing is a 400 with code unsupported_schema"), additionalProperties=False,
+        properties={
+            "json": _nullable({"type": ["object", "string"]}),
+            "regex": _nullable(text), "grammar": _nullable(text),
+            "choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string"}}),
+            "json_object": _nullable({"type": "boolean"}),
+            **{k: {"description": "accepted for vLLM compatibility; ignored"}
+               for k in sorted(IGNORED_STRUCTURED_KEYS)}})
     props["priority"]["anyOf"][0].update(minimum=-PRIORITY_LIMIT, maximum=PRIORITY_LIMIT)
     props["priority"]["anyOf"][1]["enum"] = sorted(PRIORITY_CLASSES)
 
 
+CROSS_FIELD_RULES = (
+    "A body this schema accepts may still be refused with 400 for rules across fields: "
+    "code `context_length_exceeded` when the prompt plus max_tokens (or min_tokens) does not "
+    "fit the model's context; code `incompatible_parameters` when fields valid alone are not "
+    "together (min_tokens above max_tokens, top_logprobs without logprobs, stream_options "
+    "without stream, best_of below n or streamed, max_tokens 0 without echo, a forced "
+    "tool_choice with an output format or naming no tool, a function name given twice, "
+    "both response_format and structured_outputs, a suffix with token prompts, more than "
+    "128 prompts x n); code `unsupported_schema` when a regex, grammar or JSON Schema "
+    "constraint cannot be compiled or matches no string.")
+
+
 def request_schemas(limits: RequestLimits, max_model_len: int,
-                    vocab_size: Optional[int] = None) -> dict[str, dict[str, Any]]:
-    """Component schemas of both request bodies (and the objects they use)."""
+                    vocab_size: Optional[int] = None, *, prompt_bundles: bool = True,
+                    fill_in_the_middle: bool = True) -> dict[str, dict[str, Any]]:
+    """Component schemas of both request bodies (and the objects they use);
+    ``prompt_bundles``: whether a gateway resolves ``prompt_bundle`` (else it is not a
+    field: sending it is refused like any unknown field); ``fill_in_the_middle``: whether
+    every served tokenizer has FIM tokens (else ``suffix`` can only be empty)."""
     _, top = models_json_schema([(ChatCompletionRequest, "validation"),
                                  (CompletionRequest, "validation")], ref_template=_REF)
     defs: dict[str, dict[str, Any]] = copy.deepcopy(top["$defs"])
+    if not prompt_bundles:
+        defs["ChatCompletionRequest"]["properties"].pop("prompt_bundle", None)
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        defs[name]["description"] = CROSS_FIELD_RULES
     chat, comp = defs["ChatCompletionRequest"]["properties"], defs["CompletionRequest"]["properties"]
     for props in (chat, comp):
         _sampling(props, limits, max_model_len)
@@ -99,9 +140,9 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
     defs["ChatCompletionRequest"]["required"] = ["messages"]
     function = {"type": "object", "additionalProperties": False, "required": ["name"],
                 "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
-                               "description": {"type": "string"},
+                               "description": {"type": ["string", "null"]},
                                "parameters": {"type": "object"},
-                               "strict": {"type": "boolean"}}}
+                               "strict": {"type": ["boolean", "null"]}}}
     _tighten(chat["tools"], items={
         "type": "object", "additionalProperties": False, "required": ["type", "function"],
         "properties": {"type": {"const": "function"}, "function": function}},
@@ -111,13 +152,33 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
             branch["enum"] = ["none", "auto", "required"]
         elif branch.get("type") == "object":
             branch.update(description="{'type': 'function', 'function': {'name': ...}}, a "
-                                      "function of tools")
-    _tighten(chat["response_format"], required=["type"], description=(
-        "{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
-        "{'name', 'schema', 'strict'?, 'description'?}}"),
-        properties={"type": {"enum": ["text", "json_object", "json_schema"]},
-                    "json_schema": {"type": "object"}}, additionalProperties=False)
+                                      "function of tools", required=["type", "function"],
+                          additionalProperties=False, properties={
+                              "type": {"const": "function"},
+                              "function": {"type": "object", "required": ["name"],
+                                           "additionalProperties": False,
+                                           "properties": {"name": {"type": "string"}}}})
+    json_schema = {"type": "object", "required": ["name"], "additionalProperties": False,
+                   "properties": {"name": {"type": "string", "minLength": 1},
+                                  "schema": {"type": "object"},
+                                  "strict": {"type": ["boolean", "null"]},
+                                  "description": {"type": ["string", "null"]}}}
+    shapes = [{"type": "object", "required": ["type"], "additionalProperties": False,
+               "properties": {"type": {"const": kind}}} for kind in ("text", "json_object")]
+    shapes.append({"type": "object", "required": ["type", "json_schema"],
+                   "additionalProperties": False,
+                   "properties": {"type": {"const": "json_schema"}, "json_schema": json_schema}})
+    fmt = chat["response_format"]
+    fmt["anyOf"] = shapes + [{"type": "null"}]
+    fmt["description"] = ("{'type': 'text'}, {'type': 'json_object'} or {'type': "
+                          "'json_schema', 'json_schema': {'name', 'schema'?, 'strict'?, "
+                          "'description'?}}")
     _tighten(chat["modalities"], items={"const": "text"}, minItems=1, maxItems=1)
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    _tighten(chat["prediction"], required=["type", "content"], properties={
+        "type": {"const": "content"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}})
     message = defs["ChatMessage"]["properties"]
     message["role"]["enum"] = list(CHAT_ROLES)
     defs["ChatMessage"]["required"] = ["role", "content"]
@@ -125,6 +186,14 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
                                    if b.get("type") != "null"]
     message["content"]["anyOf"][1]["maxItems"] = limits.max_content_parts
     _tighten(message["name"], maxLength=limits.max_name_chars)
+    _tighten(message["tool_calls"], items={
+        "type": "object", "required": ["function"],
+        "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                       "function": {"type": "object", "required": ["name"],
+                                    "properties": {"name": {"type": "string"},
+                                                   "arguments": {"type": "string",
+                                                                 "description": "JSON text"}}}}},
+        description="an assistant turn's calls, fed back")
     defs["ContentPart"] = {
         "title": "ContentPart", "type": "object", "additionalProperties": False,
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
@@ -141,7 +210,10 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
          "items": {"type": "array", "minItems": 1, "maxItems": max_model_len, "items": token}}]
     defs["CompletionRequest"]["required"] = ["prompt"]
     _tighten(comp["suffix"], description="only for tokenizers with fill-in-the-middle tokens "
-                                         "(<fim_prefix>, <fim_suffix>, <fim_middle>)")
+                                         "(<fim_prefix>, <fim_suffix>, <fim_middle>), with a "
+                                         "text prompt; \"\" is no suffix")
+    if not fill_in_the_middle:   # this server's models have no FIM tokens: only ""
+        _tighten(comp["suffix"], maxLength=0)
     _tighten(comp["best_of"], minimum=1, maximum=MAX_CHOICES_PER_REQUEST,
              description="at least n; not with stream")
     _tighten(comp["prompt_logprobs"], minimum=0, maximum=20)
@@ -155,6 +227,16 @@ def response_schemas() -> dict[str, dict[str, Any]]:
     return copy.deepcopy(top["$defs"])
 
 
+def _event(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream (Open API 3.1: the media type's schema describes
+    each event): ``data`` is a chunk or an error object as JSON, or the final ``[DONE]``."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"oneOf": [_ref(chunk), _ref("ErrorResponse")]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]},
+                           "event": {"type": "string"}}}
+
+
 def _operation(request: str, response: str, chunk: str) -> dict[str, Any]:
     error = {"content": {"application/json": {"schema": _ref("ErrorResponse")}}}
     return {
@@ -165,17 +247,17 @@ def _operation(request: str, response: str, chunk: str) -> dict[str, Any]:
                                    "`stream` is true",
                     "content": {
                         "application/json": {"schema": _ref(response)},
-                        "text/event-stream": {
-                            "schema": {"type": "string"},
-                            "x-event-schema": {"oneOf": [_ref(chunk), _ref("ErrorResponse")]}}}},
+                        "text/event-stream": {"schema": _event(chunk)}}},
             "4XX": {"description": "The request was refused (OpenAI error shape)", **error},
             "5XX": {"description": "Server or engine failure (OpenAI error shape)", **error}},
     }
 
 
 def install_openapi(app: Any, limits: RequestLimits, max_model_len: int,
-                    vocab_size: Optional[int] = None) -> None:
-    """Make ``app.openapi()`` describe the generation endpoints' bodies."""
+                    vocab_size: Optional[int] = None, *, prompt_bundles: bool = False,
+                    fill_in_the_middle: bool = True) -> None:
+    """Make ``app.openapi()`` describe the generation endpoints' bodies (``prompt_bundle``
+    only when the gateway resolves bundles)."""
     original: Callable[[], dict[str, Any]] = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -183,7 +265,9 @@ def install_openapi(app: Any, limits: RequestLimits, max_model_len: int,
             return app.openapi_schema
         schema = original()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components.update(request_schemas(limits, max_model_len, vocab_size))
+        components.update(request_schemas(limits, max_model_len, vocab_size,
+                                           prompt_bundles=prompt_bundles,
+                                           fill_in_the_middle=fill_in_the_middle))
         components.update(response_schemas())
         for path, names in ENDPOINTS.items():
             op = schema["paths"][path]["post"]

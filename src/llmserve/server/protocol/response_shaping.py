@@ -28,6 +28,12 @@ from llmserve.server.protocol.tool_calls import parse_tool_calls
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 
+def has_fim_tokens(tokenizer: TokenizerLike) -> bool:
+    """Whether the tokenizer has the fill-in-the-middle tokens a ``suffix`` needs."""
+    lookup = getattr(tokenizer, "token_to_id", None)
+    return lookup is not None and all(lookup(t) is not None for t in FIM_TOKENS)
+
+
 def fim_prompt(tokenizer: TokenizerLike, prompt: str, suffix: str) -> list[int]:
     """``<fim_prefix>prompt<fim_suffix>suffix<fim_middle>`` as token ids; 400 when the
     tokenizer has no FIM tokens."""

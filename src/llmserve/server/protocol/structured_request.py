@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from llmserve.contract.errors import bad_request
+from llmserve.contract.errors import INCOMPATIBLE_PARAMETERS, bad_request
 from llmserve.structured_output.spec import StructuredOutputSpec, UnsupportedGrammarError, check_spec
 
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 #: structured_outputs keys vLLM also accepts that only tune its own backends: ignored.
-_IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace",
+IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace",
                             "disable_additional_properties", "whitespace_pattern", "backend"}
 
 
@@ -72,7 +72,10 @@ def from_response_format(fmt: Optional[dict[str, Any]]) -> Optional[StructuredOu
     if not isinstance(name, str) or not name:
         raise bad_request("response_format.json_schema.name must be a non-empty string",
                           param="response_format.json_schema.name")
-    if body.get("strict") not in (None, True, False):
+    if body.get("description") is not None and not isinstance(body["description"], str):
+        raise bad_request("response_format.json_schema.description must be a string",
+                          param="response_format.json_schema.description")
+    if body.get("strict") is not None and not isinstance(body["strict"], bool):
         raise bad_request("response_format.json_schema.strict must be a boolean",
                           param="response_format.json_schema.strict")
     schema = body.get("schema", {})
@@ -86,7 +89,7 @@ def from_structured_outputs(value: Optional[dict[str, Any]]) -> Optional[Structu
     """The constraint of a ``structured_outputs`` value (None when absent or empty)."""
     if value is None:
         return None
-    unknown = set(value) - set(_STRUCTURED_KEYS) - _IGNORED_STRUCTURED_KEYS
+    unknown = set(value) - set(_STRUCTURED_KEYS) - IGNORED_STRUCTURED_KEYS
     if unknown:
         where = f"structured_outputs.{sorted(unknown)[0]}"
         raise bad_request(f"Unrecognized request argument supplied: {where}", param=where,
@@ -96,7 +99,7 @@ def from_structured_outputs(value: Optional[dict[str, Any]]) -> Optional[Structu
         return None
     if len(given) > 1:
         raise bad_request(f"structured_outputs takes one constraint, got {', '.join(given)}",
-                          param="structured_outputs")
+                          param="structured_outputs", code=INCOMPATIBLE_PARAMETERS)
     key = given[0]
     param = f"structured_outputs.{key}"
     raw = value[key]
@@ -109,7 +112,8 @@ def from_structured_outputs(value: Optional[dict[str, Any]]) -> Optional[Structu
             try:
                 raw = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
+                raise bad_request(f"{param} is not valid JSON: {exc}", param=param,
+                                  code="unsupported_schema") from None
         return _make("json", raw, param)
     return _make(key, raw, param)
 
@@ -121,5 +125,5 @@ def request_spec(response_format: Optional[dict[str, Any]],
     b = from_structured_outputs(structured_outputs)
     if a is not None and b is not None:
         raise bad_request("give either response_format or structured_outputs, not both",
-                          param="structured_outputs")
+                          param="structured_outputs", code=INCOMPATIBLE_PARAMETERS)
     return a or b

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from llmserve.contract.errors import bad_request
+from llmserve.contract.errors import INCOMPATIBLE_PARAMETERS, bad_request
 from llmserve.structured_output.spec import JSON_OPTIONS, StructuredOutputSpec, UnsupportedGrammarError, check_spec
 from llmserve.tokenizer.chat_prompt import CLOSE, OPEN, loads_or_text
 
@@ -70,7 +70,8 @@ def check_tools(tools: Optional[list[Any]]) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.function.name must be 1-64 letters, digits, '_', '.' "
                               f"or '-'; got {name!r}", param=f"{where}.function.name")
         if name in names:
-            raise bad_request(f"{where}: the function name {name!r} is given twice", param=where)
+            raise bad_request(f"{where}: the function name {name!r} is given twice", param=where,
+                              code=INCOMPATIBLE_PARAMETERS)
         names.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
@@ -79,6 +80,12 @@ def check_tools(tools: Optional[list[Any]]) -> list[dict[str, Any]]:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad_request(f"{where}.function.description must be a string",
                               param=f"{where}.function.description")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad_request(f"{where}.function.strict must be a boolean",
+                              param=f"{where}.function.strict")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad_request(f"{where}.function.strict must be a boolean",
+                              param=f"{where}.function.strict")
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     return out
 
@@ -89,8 +96,11 @@ def check_message_tool_calls(calls: list[Any], index: int) -> list[dict[str, Any
     for j, call in enumerate(calls):
         where = f"messages[{index}].tool_calls[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
-                not isinstance(fn.get("arguments", ""), str):
+        if not isinstance(call, dict) or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", ""), str) \
+                or not isinstance(call.get("id", ""), str) \
+                or call.get("type", "function") != "function":
             raise bad_request(f"{where} must be {{'id', 'type': 'function', 'function': "
                               "{'name', 'arguments' (a JSON string)}}", param=where)
         out.append({"id": str(call.get("id", "")), "type": "function",
@@ -108,7 +118,8 @@ def check_tool_choice(choice: Union[str, dict, None], tools: list[dict]) -> Unio
                               "{'type': 'function', 'function': {'name': ...}}",
                               param="tool_choice")
         if choice != "none" and not tools:
-            raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
+            raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice",
+                              code=INCOMPATIBLE_PARAMETERS)
         return choice
     fn = choice.get("function") if choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -118,7 +129,7 @@ def check_tool_choice(choice: Union[str, dict, None], tools: list[dict]) -> Unio
                           "{'name': ...}}", param="tool_choice")
     if name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names {name!r}, which is not in tools",
-                          param="tool_choice")
+                          param="tool_choice", code=INCOMPATIBLE_PARAMETERS)
     return {"name": name}
 
 

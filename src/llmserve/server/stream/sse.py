@@ -34,7 +34,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def encode_event(payload: Any) -> bytes:
     """One SSE event: ``data: <compact JSON>\\n\\n``."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
+                                   allow_nan=False).encode(
         "utf-8") + b"\n\n"
 
 
