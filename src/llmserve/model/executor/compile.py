@@ -30,6 +30,7 @@ import torch
 
 from llmserve.model.attention.backend import AttentionBackend
 from llmserve.model.executor.input_buffers import InputBuffers, StagedStep
+from llmserve.model.platform import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,22 @@ def compile_cache_dir() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor"))
 
 
-def _configure_caches() -> None:
+def _configure_inductor() -> None:
+    """Caches on disk, and compiled code that rounds like eager code.
+
+    ``emulate_precision_casts``: inductor keeps a fused chain of bf16 element-wise ops in
+    float32 and rounds once at the store, where eager PyTorch rounds to bf16 after every op.
+    A sequence's rows run eagerly in some steps (prefill chunks, mixed steps) and compiled
+    in others (decode-only steps, batch 1 on a graph of its own), so without the emulation
+    its tokens depended on what shared its steps (issue 34: 2 of 4 greedy chats changed
+    inside a batch of 22). With it, compiled and eager steps give a row the same logits;
+    ``LLMSERVE_FAST_ROUNDING=1`` turns it off (docs/BENCHMARKS.md has the cost).
+    """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True
+    inductor_config.emulate_precision_casts = not env_flag("LLMSERVE_FAST_ROUNDING")
     try:
         import torch._functorch.config as functorch_config
 
@@ -111,7 +123,7 @@ class _CompiledStep:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
                  static_model: bool) -> None:
-        _configure_caches()
+        _configure_inductor()
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches

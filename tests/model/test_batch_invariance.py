@@ -1,0 +1,96 @@
+"""Batch invariance on the default kind of path (issue 34): a request's logits, bit for bit,
+do not depend on what else shares its steps, how its prompt is chunked or whether its prefix
+came from the cache.
+
+A tiny random Llama as a Q4_1 GGUF, served as the default model is: packed int4 weights
+(int8 activations where the CPU has AVX512-VNNI), bf16, the compiled decode graphs and the
+compiled many-row functions on. Each sampled row's logits are captured from the runner
+(``LogitsCapture.SAMPLED``, which keeps the compiled path) and compared with
+``torch.equal``: any arithmetic that depends on the row count, on eager vs compiled steps or
+on chunking shows here even where it flips no greedy token. With
+``LLMSERVE_FAST_ROUNDING=1`` (compiled code rounding once per fused chain) this test fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model.executor.capture import LogitsCapture
+from llmserve.model.quant.native_int4 import native_int4_a8_available
+from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True)
+TARGETS = [[(7 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 19, 33, 70))]
+FILLERS = [[(13 * i + 5 * j) % 500 + 3 for j in range(9 + 6 * i)] for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariance")
+    hf = make_tiny_checkpoint(str(root / "hf"), arch="llama", hidden=128, intermediate=256,
+                              num_heads=4, num_kv_heads=2, seed=11)
+    return make_tiny_gguf(hf, str(root / "tiny-q4_1.gguf"), quant="Q4_1", with_tokenizer=True)
+
+
+def engine(path: str, **kw) -> LLM:
+    return LLM(path, dtype="bfloat16", quantization="auto", num_kv_blocks=512, block_size=16,
+               max_num_seqs=16, enforce_eager=False, **kw)
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+        ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy (or seeded) tokens of each prompt and its sampled rows' logits, stacked."""
+    runner = llm.engine.runner
+    rows: dict[str, list[torch.Tensor]] = {}
+    execute = runner.execute
+
+    def capturing(step):
+        out = execute(step)
+        if out.logits is not None:
+            for rid, row in zip(out.request_ids, out.logits):
+                rows.setdefault(rid, []).append(row.clone())
+        return out
+
+    runner.capture, runner.execute = LogitsCapture.SAMPLED, capturing
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        runner.capture, runner.execute = LogitsCapture.NONE, execute
+    return ([o.outputs[0].token_ids for o in outs],
+            [torch.stack(rows[o.request_id + "-0"] if o.request_id + "-0" in rows
+                         else rows[o.request_id]) for o in outs])
+
+
+def assert_same(alone, other, what: str) -> None:
+    for i, ((t0, l0), (t1, l1)) in enumerate(zip(zip(*alone), zip(*other))):
+        assert t0 == t1, f"{what}: prompt {i} tokens differ"
+        assert torch.equal(l0, l1), (f"{what}: prompt {i} logits differ by up to "
+                                     f"{(l0.float() - l1.float()).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_logits_are_the_same_alone_batched_chunked_and_cached(gguf_path, params):
+    llm = engine(gguf_path, enable_prefix_caching=False)
+    assert llm.engine.runner.compiled is not None, "the compiled decode step must be on"
+    a8 = "-a8" if native_int4_a8_available() else ""   # the default path of this CPU
+    assert f"linear:int4-g32{a8}" in llm.engine.runner.quantization
+    alone = [run(llm, [p], params) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    # all four together, then inside batches of 4 + 4 and 4 + 12 other requests (the
+    # prefill rows pass the many-row threshold, decode steps change size as others end)
+    for extra in (0, 4, 12):
+        got = run(llm, TARGETS + FILLERS[:extra], params)
+        assert_same(alone, (got[0][:4], got[1][:4]), f"batch of {4 + extra}")
+    # prompts chunked at several budgets, sharing their steps with the fillers' decodes
+    for budget in (16, 48):
+        chunked = engine(gguf_path, enable_prefix_caching=False, max_num_batched_tokens=budget)
+        got = run(chunked, TARGETS + FILLERS[:6], params)
+        assert_same(alone, (got[0][:4], got[1][:4]), f"chunks of {budget} tokens")
+    # the second run of each prompt reads its prefix from the cache
+    cached = engine(gguf_path, enable_prefix_caching=True)
+    run(cached, TARGETS, params)
+    got = run(cached, TARGETS, params)
+    assert cached.engine.get_stats().prefix_hit_tokens > 0
+    assert_same(alone, got, "after a prefix-cache hit")
