@@ -103,3 +103,35 @@ def test_inplace_verify_rows_equal_one_decode_per_row(window, softcap):
 def test_unknown_backend_is_a_clear_error(tiny_path):
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(tiny_path, attention_backend="flash")
+
+
+def test_verify_step_rows_are_bit_identical_to_decodes_with_the_native_kernel():
+    """A verify step through the backend (bf16, the native kernel): each draft row's output
+    equals, bit for bit, the plain decode at its position, so speculation changes no
+    greedy token (issue 34). Before, verify rows took their own reduction."""
+    from llmserve.model.attention.native_decode import native_decode_available
+
+    if not native_decode_available():
+        pytest.skip("the native decode kernel is not loaded on this machine")
+    torch.manual_seed(2)
+    bs, d, heads, kv_heads, q_rows = 16, 64, 9, 3, 4
+    k_cache = torch.randn(24 * bs, kv_heads, d).bfloat16()
+    v_cache = torch.randn(24 * bs, kv_heads, d).bfloat16()
+    tables = torch.tensor([[1, 5, 7, 9, 11], [2, 3, 19, 0, 0]])
+    positions = torch.tensor([[70, 71, 72, 73], [29, 30, 31, 32]])
+    q = torch.randn(2 * q_rows, heads, d).bfloat16()
+    backend = make_backend("paged", heads, kv_heads, d, bs)
+    new_kv = torch.zeros(0, kv_heads, d).bfloat16()
+    slots = torch.zeros(0, dtype=torch.long)
+    # as in the compiled verify step: metadata and attention inside one graph
+    def verify(q, k_cache, v_cache, tables, positions):
+        meta = backend.verify_metadata(slots, tables, positions)
+        return backend.forward(q, new_kv, new_kv, k_cache, v_cache, meta, 0.125)
+
+    got = torch.compile(verify, fullgraph=True)(q, k_cache, v_cache, tables, positions)
+    for b in range(2):
+        for j in range(q_rows):
+            one = backend.decode_metadata(slots, tables[b:b + 1], positions[b, j:j + 1] + 1)
+            row = b * q_rows + j
+            ref = backend.forward(q[row:row + 1], new_kv, new_kv, k_cache, v_cache, one, 0.125)
+            assert torch.equal(got[row:row + 1], ref), (b, j)

@@ -48,9 +48,13 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams,
 
     def capturing(step):
         out = execute(step)
-        if out.logits is not None:
-            for rid, row in zip(out.request_ids, out.logits):
-                rows.setdefault(rid, []).append(row.clone())
+        if out.logits is not None:   # a sequence's rows: one per sample (k + 1 with drafts)
+            samples = dict(zip(step.request_ids, step.num_samples))
+            first = 0
+            for rid, tokens in zip(out.request_ids, out.token_ids):
+                # the rows its emitted tokens came from (accepted drafts, then its own)
+                rows.setdefault(rid, []).extend(out.logits[first:first + len(tokens)])
+                first += samples[rid]
         return out
 
     runner.capture, runner.execute = LogitsCapture.SAMPLED, capturing
@@ -58,9 +62,9 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams,
         outs = llm.generate(prompts, params)
     finally:
         runner.capture, runner.execute = LogitsCapture.NONE, execute
-    return ([o.outputs[0].token_ids for o in outs],
-            [torch.stack(rows[o.request_id + "-0"] if o.request_id + "-0" in rows
-                         else rows[o.request_id]) for o in outs])
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return tokens, [torch.stack((rows[o.request_id + "-0"] if o.request_id + "-0" in rows
+                                 else rows[o.request_id])[:len(t)]) for o, t in zip(outs, tokens)]
 
 
 def assert_same(alone, other, what: str) -> None:
@@ -94,3 +98,23 @@ def test_logits_are_the_same_alone_batched_chunked_and_cached(gguf_path, params)
     got = run(cached, TARGETS, params)
     assert cached.engine.get_stats().prefix_hit_tokens > 0
     assert_same(alone, got, "after a prefix-cache hit")
+
+
+def test_ngram_speculation_gives_the_logits_of_plain_decoding(gguf_path):
+    """Drafts verified in a compiled verify step: each emitted token comes from the same
+    logits as without speculation (the verify rows run as the decodes at their positions)."""
+    loop = [[(5 * i + j % 7) % 400 + 3 for j in range(42 + 9 * i)] for i in range(6)]
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = engine(gguf_path, enable_prefix_caching=False)
+    alone = [run(plain, [p], long) for p in loop]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    spec = engine(gguf_path, enable_prefix_caching=False, speculative_method="ngram",
+                  num_speculative_tokens=3, ngram_min=2, ngram_max=3)
+    assert spec.engine.runner.compiled_verify is not None
+    # alone, every step with drafts is a compiled verify step; together, mixed steps
+    # verify eagerly
+    solo = [run(spec, [p], long) for p in loop]
+    assert_same(alone, ([a[0][0] for a in solo], [a[1][0] for a in solo]),
+                "with n-gram speculation, alone")
+    assert_same(alone, run(spec, loop, long), "with n-gram speculation, batched")
+    assert spec.engine.get_stats().spec_accepted_tokens_total > 0

@@ -11,7 +11,9 @@ so inductor emits loops that load K and V rows where they live: no per-layer cop
 sequence's context. Where llmserve's native kernel is loaded (bf16 query and cache), decodes
 use it instead, compiled or eager (:mod:`~llmserve.model.attention.native_decode`). A
 compiled verify step (``Q`` rows per sequence: a decode with its drafts) adds the query
-axis, each row masked to the keys at or before its position. Run eagerly, the same
+axis, each row masked to the keys at or before its position; with the native kernel each
+of its rows runs as the decode at that position (the same sums as a plain decode, so
+speculation does not change a greedy token). Run eagerly, the same
 formulation would materialise a G-times larger product, so eager steps without the native
 kernel gather the blocks (one contiguous copy) and call SDPA. Prefill chunks use the
 reference backend's grouped gather + SDPA, or, with the native kernel, one decode-like row
@@ -164,8 +166,17 @@ class PagedBackend(ReferenceBackend):
             qd = q[:nd]
             valid = meta.decode_valid_for(window)
             if meta.decode_positions is not None:   # compiled verify step
-                outs.append(paged_verify_inplace(qd, k_cache, v_cache, meta.decode_slots,
-                                                 valid, scale, softcap))
+                if self.native_decode and native_decode_usable(qd, k_cache):
+                    # each query row as the decode at its position: the kernel (and the
+                    # order of its sums) of a plain decode, so verifying a draft gives the
+                    # logits decoding it would
+                    b, nq, length = valid.shape
+                    outs.append(paged_decode_native(
+                        qd, k_cache, v_cache, meta.decode_slots.repeat_interleave(nq, dim=0),
+                        valid.reshape(b * nq, length), scale, softcap))
+                else:
+                    outs.append(paged_verify_inplace(qd, k_cache, v_cache, meta.decode_slots,
+                                                     valid, scale, softcap))
             elif self.native_decode and native_decode_usable(qd, k_cache):
                 outs.append(paged_decode_native(qd, k_cache, v_cache, meta.decode_slots,
                                                 valid, scale, softcap))
