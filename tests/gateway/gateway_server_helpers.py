@@ -155,3 +155,16 @@ def ledger_rows(db: Path, **where: Any) -> list[dict[str, Any]]:
 
 def auth(key: str, **extra: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", **extra}
+
+
+def tiny_model_server(root: Path, max_model_len: int) -> ServerProcess:
+    """A started ``llmserve serve`` (no gateway) on a tiny random Llama built under ``root``,
+    served as ``tiny`` with one thread; its log is ``root / "server.log"``."""
+    from tests.model.tiny_checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(root / "tiny"), arch="llama", seed=1)
+    server = ServerProcess(None, [
+        "--model", path, "--num-kv-blocks", "1024", "--block-size", "16", "--max-model-len",
+        str(max_model_len), "--num-threads", "1", "--served-model-name", "tiny"],
+        root / "server.log", log_level="WARNING")
+    return server.start()

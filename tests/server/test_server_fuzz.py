@@ -27,7 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.gateway.gateway_server_helpers import ServerProcess  # noqa: E402
+from tests.gateway.gateway_server_helpers import tiny_model_server  # noqa: E402
 from tests.server.server_helpers import metric_value, parse_sse  # noqa: E402
 
 ENDPOINTS = {"/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion",
@@ -40,15 +40,7 @@ TIMEOUT_S = 30.0
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(base url, served model name) of a real server process on a tiny random model."""
-    from tests.model.tiny_checkpoints import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("fuzz")
-    path = make_tiny_checkpoint(str(root / "tiny"), arch="llama", seed=1)
-    server = ServerProcess(None, [
-        "--model", path, "--num-kv-blocks", "1024", "--block-size", "16", "--max-model-len",
-        "512", "--num-threads", "1", "--served-model-name", "tiny"], root / "server.log",
-        log_level="WARNING")
-    server.start()
+    server = tiny_model_server(tmp_path_factory.mktemp("fuzz"), max_model_len=512)
     yield server.base_url, "tiny", server.proc, server.log_path
     server.stop()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.gateway_server_helpers import ROOT, ServerProcess
+from tests.gateway.gateway_server_helpers import ROOT, tiny_model_server
 
 pytest.importorskip("schemathesis")
 
@@ -29,16 +29,8 @@ EXAMPLES = int(os.environ.get("LLMSERVE_SCHEMATHESIS_EXAMPLES", "15"))   # per o
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.model.tiny_checkpoints import make_tiny_checkpoint
-
     root = tmp_path_factory.mktemp("schemathesis")
-    path = make_tiny_checkpoint(str(root / "tiny"), arch="llama", seed=1)
-    # a short context keeps each schema-valid generation short
-    server = ServerProcess(None, [
-        "--model", path, "--num-kv-blocks", "1024", "--block-size", "16", "--max-model-len",
-        "128", "--num-threads", "1", "--served-model-name", "tiny"], root / "server.log",
-        log_level="WARNING")
-    server.start()
+    server = tiny_model_server(root, max_model_len=128)   # short generations keep it fast
     yield server, root
     server.stop()
 
