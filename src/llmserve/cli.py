@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-seed", dest="seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never compile the decode step (default: compile at start-up)")
+    g.add_argument("--startup-compile", choices=["wait", "background"], default=None,
+                   help="graphs not saved yet (a first start): compile them before serving "
+                        "(wait) or in a child process while steps run eagerly (background; "
+                        "serve's default)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"])
     s = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
     s.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
@@ -114,6 +118,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         int4_activations=args.int4_activations,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        compile_in_background=getattr(args, "startup_compile", None) == "background",
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, draft_model=args.draft_model,
@@ -171,6 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("LoRA adapters are not supported with --data-parallel-size > 1")
 
         return cmd_serve_replicas(args, add_engine_args, server_limits_from_args)
+    if args.startup_compile is None:
+        args.startup_compile = "background"
     config = engine_config_from_args(args)
     engine = AsyncLLM.from_config(config)
     names = [args.served_model_name] if args.served_model_name else None

@@ -43,6 +43,7 @@ class ModelOptions:
     seed: int = 0                          # default generator seed for unseeded requests
     num_threads: Optional[int] = None      # torch CPU threads; None: torch's default
     enforce_eager: Optional[bool] = None   # True: never compile; None: env LLMSERVE_ENFORCE_EAGER, else compile
+    compile_in_background: bool = False   # graphs not saved yet: compiled by a child process while steps run eagerly (serve's default)
     attention_backend: str = "auto"        # auto (paged) | paged | reference
 
     def __post_init__(self) -> None:

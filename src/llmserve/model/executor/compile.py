@@ -19,18 +19,24 @@ compilation fails, the step falls back to eager with a warning.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
+import platform
+import shutil
+import threading
 import time
 import types
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 from llmserve.model.attention.backend import AttentionBackend
+from llmserve.model.executor.graph_store import GraphStore, model_signature, plain_attrs, savable_guards
 from llmserve.model.executor.input_buffers import InputBuffers, StagedStep
-from llmserve.model.platform import env_flag
+from llmserve.model.platform import cpu_flags, env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +50,14 @@ def compile_cache_dir() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor"))
 
 
-def _configure_inductor() -> None:
-    """Caches on disk, and compiled code that rounds like eager code.
+_configured = threading.local()
+
+
+def configure_inductor() -> None:
+    """Caches on disk, and compiled code that rounds like eager code, in the calling
+    thread: torch keeps a config value that is set (not read from the environment) per
+    thread, so every thread that compiles, or names a saved graph, calls this first (a
+    graph compiled on the engine thread without it rounded differently).
 
     ``emulate_precision_casts``: inductor keeps a fused chain of bf16 element-wise ops in
     float32 and rounds once at the store, where eager PyTorch rounds to bf16 after every op.
@@ -55,6 +67,9 @@ def _configure_inductor() -> None:
     inside a batch of 22). With it, compiled and eager steps give a row the same logits;
     ``LLMSERVE_FAST_ROUNDING=1`` turns it off (docs/BENCHMARKS.md has the cost).
     """
+    if getattr(_configured, "done", False):
+        return
+    _configured.done = True
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
     import torch._inductor.config as inductor_config
 
@@ -66,6 +81,64 @@ def _configure_inductor() -> None:
         functorch_config.enable_autograd_cache = True
     except (ImportError, AttributeError):
         pass
+    _trust_probed_vector_isas()
+
+
+def _vector_isa_record() -> Optional[Path]:
+    """The file that says inductor's vector-ISA probes all passed on this machine, named by
+    the CPU's flags, the compiler and the torch build (None off x86 or where inductor's
+    internals moved)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        compiler = shutil.which(get_cpp_compiler()) or get_cpp_compiler()
+        key = hashlib.sha256("\n".join([
+            torch.__version__, compiler, str(os.stat(compiler).st_mtime_ns),
+            " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
+    except Exception as exc:  # noqa: BLE001 - no record: inductor keeps probing
+        logger.debug("no vector ISA record: %s", exc)
+        return None
+    return Path(compile_cache_dir()) / f"llmserve-vec-isa-{key}.ok"
+
+
+def _trust_probed_vector_isas() -> None:
+    """Skip inductor's vector-ISA probes once they all passed on this machine.
+
+    Before its first C++ kernel (compiled or loaded), inductor compiles a probe for each
+    vector instruction set the CPU lists (AVX2, AVX-512, AMX, ...) and loads it in a child
+    Python: about a second of every start, ten on a fresh machine. When a record says they
+    all passed before (:func:`record_vector_isas`), ``cpp.vec_isa_ok`` trusts the CPU's
+    flags instead.
+    """
+    import torch._inductor.config as inductor_config
+
+    record = _vector_isa_record() if inductor_config.cpp.vec_isa_ok is None else None
+    if record is not None and record.exists():
+        inductor_config.cpp.vec_isa_ok = True
+
+
+def record_vector_isas() -> None:
+    """After inductor probed the vector ISAs in this process: if every one the CPU lists
+    passed, write the record that lets later starts skip the probes."""
+    record = _vector_isa_record()
+    if record is None or record.exists():
+        return
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        if not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+            return   # not probed in this process: nothing learnt
+        listed = cpu_vec_isa.x86_isa_checker()
+        flagged = [str(i) for i in cpu_vec_isa.supported_vec_isa_list
+                   if all(f in listed for f in str(i).split())]
+        probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+        if probed == flagged:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(" ".join(probed) + "\n")
+    except Exception as exc:  # noqa: BLE001 - inductor internals moved: keep its probes
+        logger.debug("vector ISA probes are not recorded: %s", exc)
 
 
 def graph_logits(model: torch.nn.Module,
@@ -113,25 +186,109 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return out
 
 
-class _CompiledStep:
-    """What both compiled steps share: the model, its KV caches and staging buffers, one
-    ``torch.compile`` of the subclass's ``_forward`` (a code object of its own), and the
-    eager fallback after a compiler failure (``failed``)."""
+class _Graphs:
+    """The callable a compiled step runs: its saved graphs by name (``graph_store.py``),
+    chosen by ``name_of(args)``, and one in-process ``torch.compile`` for steps no saved
+    graph covers (every step where graphs cannot be saved: a model with LoRA slots, or a
+    torch whose AOT compiler refused this model)."""
 
-    what = "model"   # the step's name in the fallback warning
+    def __init__(self, step: "CompiledStep", jit: Callable) -> None:
+        self.step, self.jit = step, jit
+        self.saved: dict[str, Callable] = {}
+
+    def __call__(self, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        fn = self.saved.get(self.step.graph_name(args[:-1])) if self.saved else None
+        if fn is None:
+            configure_inductor()   # this thread may compile
+            return self.jit(*args)
+        try:
+            return fn(self.step, *args)
+        except RuntimeError as exc:
+            if not str(exc).startswith("GuardManager check failed"):
+                raise
+            # a step outside the shapes the saved graph was traced for: never expected
+            # (the names cover every step the runner sends); compile it in process
+            logger.warning("a %s step did not fit its saved graph (%s); compiling it now",
+                           self.step.what, str(exc)[:2000])
+            self.saved.clear()
+            configure_inductor()
+            return self.jit(*args)
+
+
+class CompiledStep:
+    """What both compiled steps share: the model, its KV caches and staging buffers, its
+    graphs (saved on disk and loaded when they exist, ``graph_store.py``; traced in process
+    otherwise), and the eager fallback after a compiler failure (``failed``)."""
+
+    what = "model"   # the step's name in logs and in the saved graphs' names
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
                  static_model: bool) -> None:
-        _configure_inductor()
+        configure_inductor()
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.block_size = backend.block_size
         self.failed = False
-        self._compiled = torch.compile(own_code(self._forward), fullgraph=True,
-                                       options=compile_options(static_model))
+        # the pool's size follows free memory, so it changes between starts: a graph with
+        # it baked in would miss the on-disk caches on every restart
+        for cache in kv_caches:
+            for t in cache:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        self._compiled = _Graphs(self, torch.compile(own_code(self._forward), fullgraph=True,
+                                                     options=compile_options(static_model)))
+        # graphs are saved only for a model whose modules never change after loading:
+        # saved graphs keep no guards on modules
+        self._store = GraphStore(saved_graphs_dir(), self.what, [
+            type(backend).__qualname__, *plain_attrs(backend), model_signature(model)
+        ]) if static_model and saving_enabled() else None
+
+    def graph_name(self, args: tuple) -> str:
+        """Which saved graph runs a step with these inputs (subclasses)."""
+        raise NotImplementedError
+
+    def _forward(self, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _build(self, args: tuple, label: str, load_only: bool = False) -> bool:
+        """Make the graph ``graph_name(args)`` ready: load it if it was saved, else compile
+        it on ``args`` (a progress line before and after) and save it; then run it once.
+        With ``load_only`` a graph that could be saved but was not is left alone (False:
+        a background compile makes it)."""
+        configure_inductor()
+        name = self.graph_name(args)
+        t0 = time.time()
+        verb = "ready" if name in self._compiled.saved else "traced"
+        if self._store is not None and name not in self._compiled.saved:
+            path = self._store.path(name, (*args, self.kv_caches))
+            with torch.inference_mode():   # the guards' dispatch keys are rebuilt under
+                fn = self._store.load(path)  # the mode it runs in
+            verb = "loaded"
+            if fn is None and load_only:
+                return False
+            if fn is None:
+                logger.info("compiling the %s step for %s (once per machine and model; "
+                            "cached in %s)...", self.what, label, self._store.root)
+                verb = "compiled"
+                try:
+                    aot = torch.compile(own_code(self._forward), fullgraph=True,
+                                        options={"guard_filter_fn": savable_guards})
+                    with torch.inference_mode():
+                        fn = aot.aot_compile(((*args, self.kv_caches), {}))
+                    self._store.save(path, fn)
+                except Exception as exc:  # noqa: BLE001 - compile in process instead
+                    logger.warning("the %s step's graphs cannot be saved (%s); they are "
+                                   "compiled at every start", self.what, compiler_error(exc))
+                    self._store, fn = None, None
+            if fn is not None:
+                self._compiled.saved[name] = fn
+        with torch.inference_mode():
+            self._run(args)
+        record_vector_isas()
+        logger.info("%s step: %s %s in %.1fs", self.what, label, verb, time.time() - t0)
+        return True
 
     def _run(self, args: tuple) -> torch.Tensor:
         """The logits of the compiled graph on ``args``; on a compiler failure, a warning
@@ -147,13 +304,24 @@ class _CompiledStep:
             return self._forward(*args, self.kv_caches)[0]
 
 
+def saving_enabled() -> bool:
+    """Saved graphs need torch's AOT-compile API; ``LLMSERVE_SAVED_GRAPHS=0`` turns them off
+    (every start then traces its graphs, reusing inductor's cache)."""
+    return (os.environ.get("LLMSERVE_SAVED_GRAPHS", "1") != "0"
+            and hasattr(torch.compiler, "load_compiled_function"))
+
+
+def saved_graphs_dir() -> Path:
+    return Path(compile_cache_dir()) / "llmserve-graphs"
+
+
 def compiler_error(exc: BaseException) -> str:
     """``Type: first line`` of a compiler exception (their messages run to pages)."""
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-class CompiledDecodeStep(_CompiledStep):
+class CompiledDecodeStep(CompiledStep):
     """Runs decode-only steps through one compiled graph (eager fallback on failure)."""
 
     what = "decode"
@@ -178,113 +346,52 @@ class CompiledDecodeStep(_CompiledStep):
         dynamic (it runs with exactly its rows), up to the largest warmed-up bucket."""
         return not self.failed and 1 <= num_seqs <= self.buckets[-1]
 
+    def graph_name(self, args: tuple) -> str:
+        """``one``: a single sequence (its batch dimension specialised); ``many``: 2 or
+        more (a dynamic batch)."""
+        return "one" if args[3].shape[0] == 1 else "many"
+
     def __call__(self, staged: StagedStep) -> torch.Tensor:
         """Logits ``(B, vocab)`` for a staged decode-only step (rows in runner order)."""
+        return self._run(self._args(staged))
+
+    @staticmethod
+    def _args(staged: StagedStep) -> tuple:
         args = (staged.input_ids, staged.positions, staged.slot_mapping, staged.block_tables,
                 staged.context_lens)
         if staged.block_tables.shape[0] > 1:
             for t in args:
                 torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(staged.block_tables, 1)
-        return self._run(args)
+        return args
 
-    def warmup(self) -> None:
-        """Run every bucket once on dummy rows (they touch only the scratch block)."""
+    def warmup(self, load_only: bool = False) -> bool:
+        """Make both graphs ready (loaded, or compiled and saved), then run every bucket
+        once on dummy rows (they touch only the scratch block). With ``load_only``,
+        False as soon as a graph is not saved yet."""
         from llmserve.engine.step_types import StepInput
 
         t0 = time.time()
-        # batch 1 has a graph of its own; the others share one graph with a dynamic batch,
-        # built first at the largest bucket: inductor takes the size hint of its kernels'
-        # loops from the first call, and large batches are where the step's time goes
+        # the batch-1 graph, then the dynamic batch built at the largest bucket: inductor
+        # takes the size hint of its kernels' loops from the example, and large batches
+        # are where the step's time goes
         order = self.buckets[:1] + self.buckets[:0:-1]
-        for i, b in enumerate(order):
+        for b in order:
             if self.failed:
                 break
             step = StepInput()
             scratch = self.buffers.scratch_block
             for r in range(b):
                 step.add(f"warmup{r}", [0], 0, [scratch], 0, None)
-            staged = self.buffers.stage(step, list(range(b)), self.block_size, pad_to=b)
-            t = time.time()
-            with torch.inference_mode():
-                self(staged)
-            logger.info("compiled decode step: bucket %d/%d (batch %d) in %.1fs",
-                        i + 1, len(self.buckets), b, time.time() - t)
-        logger.info("decode step compiled for batches %s in %.1fs", self.buckets, time.time() - t0)
-
-
-#: Most padding rows a compiled verify step may add: one padding row costs a fraction of
-#: what the compiled graph saves per step (measured in the int4 linears at the default
-#: model: docs/BENCHMARKS.md), so a few rows pay off, and a batch of sequences without
-#: drafts padded to the longest draft would cost far more than it saves.
-VERIFY_MAX_PADDING_ROWS = 3
-
-
-class CompiledVerifyStep(_CompiledStep):
-    """Runs steps where every sequence decodes with its speculative drafts (``k + 1`` rows,
-    all sampled) as one compiled graph, attention included.
-
-    Shapes: ``B`` sequences (not padded: a padded sequence would cost its rows in every
-    linear), ``Q`` rows each (the most of any sequence; shorter ones padded, see
-    ``InputBuffers.stage_uniform``). Both dimensions are dynamic; ``B = 1`` and a kernel
-    choice by the number of rows make a few graphs, all built by ``warmup``. Returns the
-    logits of all ``B * Q`` rows.
-    """
-
-    what = "verify"
-
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
-                 max_num_seqs: int, max_drafts: int, static_model: bool = False) -> None:
-        super().__init__(model, backend, kv_caches, buffers, static_model)
-        self.max_rows = max_drafts + 1
-        self.max_seqs = max(1, min(max_num_seqs, buffers.max_seqs,
-                                   buffers.max_tokens // self.max_rows))
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        meta = self.backend.verify_metadata(slot_mapping.reshape(-1), block_tables, positions)
-        hidden = self.model(input_ids.reshape(-1), positions.reshape(-1), kv_caches, meta)
-        return graph_logits(self.model, hidden)
-
-    def shape_for(self, num_seqs: int, max_rows: int,
-                  num_tokens: int) -> Optional[tuple[int, int]]:
-        """(sequences, rows per sequence) of a step of ``num_tokens`` tokens, or None when
-        it does not fit or padding it would cost more rows than the graph saves."""
-        if self.failed or max_rows > self.max_rows or num_seqs > self.max_seqs:
-            return None
-        if num_seqs * max_rows - num_tokens > VERIFY_MAX_PADDING_ROWS:
-            return None
-        return num_seqs, max_rows
-
-    def __call__(self, staged: StagedStep, rows: int) -> torch.Tensor:
-        """Logits ``(B * Q, vocab)`` of a staged verify step (sequence-major rows)."""
-        seqs = staged.block_tables.shape[0]
-        args = (staged.input_ids.view(seqs, rows), staged.positions.view(seqs, rows),
-                staged.slot_mapping.view(seqs, rows), staged.block_tables)
-        for t in args:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(t, 1)
-        return self._run(args)
-
-    def warmup(self) -> None:
-        """Build the graphs: one sequence and several, the fewest and the most rows (a
-        kernel chosen by the number of rows makes one graph per range), on dummy rows in
-        the scratch block."""
-        from llmserve.engine.step_types import StepInput
-
-        t0 = time.time()
-        scratch = self.buffers.scratch_block
-        for seqs, rows in sorted({(b, r) for b in (1, min(2, self.max_seqs), self.max_seqs)
-                                  for r in (2, self.max_rows)}):
-            if self.failed:
-                break
-            step = StepInput()
-            for r in range(seqs):
-                step.add(f"warmup{r}", [0] * rows, 0, [scratch], 0, None)
-            staged = self.buffers.stage_uniform(step, list(range(seqs)), self.block_size,
-                                                rows, seqs)
-            with torch.inference_mode():
-                self(staged, rows)
-        logger.info("verify step compiled in %.1fs", time.time() - t0)
+            args = self._args(self.buffers.stage(step, list(range(b)), self.block_size,
+                                                 pad_to=b))
+            if b in order[:2]:
+                if not self._build(args, f"batch {b}" if b == 1 else f"batches 2-{b}",
+                                   load_only):
+                    return False
+            else:
+                with torch.inference_mode():
+                    self._run(args)
+        logger.info("decode step ready for batches 1-%d in %.1fs", self.buckets[-1],
+                    time.time() - t0)
+        return True

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from llmserve.config import EngineConfig
 from llmserve.engine.step_types import StepInput, StepOutput
+from llmserve.model.executor.background_compile import start_if_missing
 from llmserve.model.executor.runner import ModelRunner
 from llmserve.model.loading.loader import CheckpointSource
 
@@ -102,8 +103,18 @@ class _RankZero:
 class LocalExecutor(_RankZero):
     """One process, one device."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, args: Optional[RunnerArgs] = None) -> None:
         self.runner = runner
+        self.args = args
+
+    def warmup(self) -> None:
+        """Make the compiled graphs ready; with ``compile_in_background`` (and the runner's
+        arguments to build a copy) only load those saved and leave the rest to a child
+        process (background_compile.py)."""
+        if self.args is not None and self.runner.config.model.compile_in_background:
+            start_if_missing(self.runner, self.args)
+        else:
+            self.runner.warmup()
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
@@ -113,7 +124,10 @@ class LocalExecutor(_RankZero):
         return True
 
     def shutdown(self) -> None:
-        return None
+        """Stop a background compile still running."""
+        if self.runner.pending_graphs is not None:
+            self.runner.pending_graphs.stop()
+            self.runner.pending_graphs = None
 
 
 class TensorParallelExecutor(_RankZero):
@@ -154,4 +168,4 @@ def build_executor(config: EngineConfig, source: CheckpointSource, args: RunnerA
     if config.parallel.tensor_parallel_size > 1:
         return TensorParallelExecutor(config, source, args)
     return LocalExecutor(ModelRunner(config, source, args.max_model_len, args.eos_token_ids,
-                                     sample_vocab_size=args.sample_vocab_size))
+                                     sample_vocab_size=args.sample_vocab_size), args)

@@ -20,8 +20,10 @@ from llmserve.lora.manager import LoraManager
 from llmserve.model.attention.backend import make_backend
 from llmserve.model.attention.reference import group_key
 from llmserve.model.config import ModelConfig
+from llmserve.model.executor.background_compile import BackgroundCompile
 from llmserve.model.executor.capture import LogitsCapture
-from llmserve.model.executor.compile import CompiledDecodeStep, CompiledVerifyStep
+from llmserve.model.executor.compile import CompiledDecodeStep
+from llmserve.model.executor.compiled_verify import CompiledVerifyStep
 from llmserve.model.executor.input_buffers import InputBuffers
 from llmserve.model.executor.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.executor.sharding import RankSharding
@@ -101,6 +103,10 @@ class ModelRunner:
         eager = cfg.model.enforce_eager if cfg.model.enforce_eager is not None else env_flag(
             "LLMSERVE_ENFORCE_EAGER")
         self.compiled: Optional[CompiledDecodeStep] = None
+        #: False while compiled steps wait for their graphs (a background compile polled
+        #: between steps: background_compile.py)
+        self.graphs_ready = True
+        self.pending_graphs: Optional[BackgroundCompile] = None
         self.compiled_verify: Optional[CompiledVerifyStep] = None   # drafts' verify steps
         if not eager and self.model.compile_unsupported:
             logger.warning("decode step runs eagerly: %s", self.model.compile_unsupported)
@@ -133,14 +139,20 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return self.kv.bytes_per_token
 
-    def warmup(self) -> None:
-        """Compile the decode step for every batch bucket now (else on first use), and the
-        element-wise work of eager many-row steps (layers/compiled_rows.py)."""
+    def warmup(self, load_only: bool = False) -> bool:
+        """Make the compiled graphs ready now (the request path never compiles): the decode
+        and verify steps and the element-wise work of eager many-row steps
+        (layers/compiled_rows.py), loaded where they were saved, else compiled. With
+        ``load_only`` nothing is compiled: False if a graph is missing, and the compiled
+        steps stay off until a later call returns True (background_compile.py)."""
+        ready = True
         if self.compiled is not None:
-            enable_compiled_rows(self.model, self.dtype, self.device)
-            self.compiled.warmup()
-        if self.compiled_verify is not None:
-            self.compiled_verify.warmup()
+            missing = enable_compiled_rows(self.model, self.dtype, self.device, load_only)[1]
+            ready = not missing and self.compiled.warmup(load_only)
+        if ready and self.compiled_verify is not None:
+            ready = self.compiled_verify.warmup(load_only)
+        self.graphs_ready = ready
+        return ready
 
     def grammar_stats(self) -> dict[str, float | int]:
         """The EngineStats fields of the grammar masks this runner applied."""
@@ -155,11 +167,14 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         if step.num_seqs == 0:
             return StepOutput()
+        if self.pending_graphs is not None:
+            self.pending_graphs.poll(self)
         for rid in step.finished_request_ids:
             self.release(rid)
         order = self._order(step)
         plain = (LogitsCapture.ALL not in self.capture and not step.prompt_logprob_targets
                  and (self.lora is None or not any(step.loras)))   # LoRA steps: eager
+        plain = plain and self.graphs_ready
         compiled = (plain and self.compiled is not None and step.is_decode_only
                     and self.compiled.accepts(step.num_seqs))
         verify = None   # (sequences, rows) of a compiled verify step

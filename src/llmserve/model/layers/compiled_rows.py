@@ -19,7 +19,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from llmserve.model.executor.compile import compiler_error
+from llmserve.model.executor.compile import compiler_error, configure_inductor, saved_graphs_dir, saving_enabled
+from llmserve.model.executor.graph_store import GraphStore, savable_guards
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ COMPILED_ROWS_MIN = 64
 #: Rows of the dummy inputs that build the graphs (not a size the model's shapes use).
 WARMUP_ROWS = COMPILED_ROWS_MIN + 1
 
-_compiled: "dict[Callable, Callable]" = {}
+_compiled: "dict[tuple[Callable, str], _Guarded]" = {}
 
 
 def many_rows(rows: int) -> bool:
@@ -52,30 +53,93 @@ class _Guarded:
             except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
                 self.failed = True
                 logger.warning("compiled %s failed (%s); it runs eagerly from now on",
-                               getattr(self.plain, "__name__", self.plain), compiler_error(exc))
+                               getattr(self.plain, "__name__", self.plain), str(exc)[:3000])
         return self.plain(*args)
 
 
+def _static_args(args: tuple) -> str:
+    """What a graph of ``fn`` specialises on besides shapes: its non-tensor arguments and
+    the tensors' dtypes and devices."""
+    return ";".join(f"{a.dtype}/{a.device.type}" if isinstance(a, torch.Tensor) else repr(a)
+                    for a in args)
+
+
+class _LoadOnly:
+    """While ``on``, compile_rows takes only graphs saved on disk (a background compile
+    makes the others) and counts the ones it did not find."""
+
+    on = False
+    missing = 0
+
+
+def _saved_or_traced(fn: Callable, warm_args: tuple) -> Optional[Callable]:
+    """``fn`` compiled with dynamic shapes: the graph saved on disk for these arguments
+    (executor/graph_store.py) when there is one, else compiled now and saved (None in
+    load-only mode); where graphs cannot be saved, ``torch.compile(fn, dynamic=True)``."""
+    configure_inductor()
+    if saving_enabled():
+        store = GraphStore(saved_graphs_dir(), "rows")
+        path = store.path(f"{fn.__module__}.{fn.__qualname__}", warm_args)
+        with torch.inference_mode():
+            loaded = store.load(path)
+            if loaded is not None:
+                return loaded
+            if _LoadOnly.on:
+                _LoadOnly.missing += 1
+                return None
+            try:
+                aot = torch.compile(fn, dynamic=True, fullgraph=True,
+                                    options={"guard_filter_fn": savable_guards})
+                # a float argument (a norm's epsilon) is a constant of the graph: the AOT
+                # compiler cannot turn it into a tensor input as in-process graphs do
+                with torch._dynamo.config.patch(specialize_float=True):
+                    compiled = aot.aot_compile((warm_args, {}))
+            except Exception as exc:  # noqa: BLE001 - compile it in process instead
+                logger.info("%s cannot be saved compiled (%s)", fn.__qualname__,
+                            compiler_error(exc))
+            else:
+                store.save(path, compiled)
+                return compiled
+    return torch.compile(fn, dynamic=True)
+
+
 def compile_rows(fn: Callable, *warm_args: object) -> Optional[Callable]:
-    """``torch.compile(fn, dynamic=True)``, run now on ``warm_args`` (one call per distinct
-    set of non-tensor arguments builds its graph; sizes of 0 or 1 and sizes equal to another
-    one would be specialised, so dummies use distinct sizes >= 2); the compiled function is
-    shared by every module of the process that asks for ``fn``. None (logged) when compiling
+    """``fn`` compiled with dynamic shapes (one graph for every row count), run now on
+    ``warm_args`` (sizes of 0 or 1 and sizes equal to another one would be specialised, so
+    dummies use distinct sizes >= 2); shared by every module of the process that asks for
+    ``fn`` with the same non-tensor arguments and dtypes. None (logged) when compiling
     fails."""
-    compiled = _compiled.get(fn) or _Guarded(torch.compile(fn, dynamic=True), fn)
+    # torch's thread count is a guard of every graph: engines of one process may differ
+    key = (fn, f"{_static_args(warm_args)};threads={torch.get_num_threads()}")
+    compiled = _compiled.get(key)
     try:
+        if compiled is None:
+            found = _saved_or_traced(fn, warm_args)
+            if found is None:
+                return None
+            compiled = _Guarded(found, fn)
         with torch.inference_mode():
             compiled.compiled(*warm_args)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: stay eager
         logger.warning("compiling %s for many-row steps failed (%s); it stays eager",
                        getattr(fn, "__name__", fn), compiler_error(exc))
         return None
-    _compiled[fn] = compiled
+    _compiled[key] = compiled
     return compiled
 
 
-def enable_compiled_rows(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def enable_compiled_rows(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                         load_only: bool = False) -> tuple[int, int]:
     """Give every module of ``model`` that has ``compile_rows`` its compiled many-row
-    function; returns how many modules got one."""
-    return sum(bool(m.compile_rows(dtype, device)) for m in model.modules()
-               if hasattr(m, "compile_rows"))
+    function; returns how many modules got one and how many graphs were missing (always 0
+    unless ``load_only``: take saved graphs only, compile nothing). The dummy inputs are
+    made in inference mode, as a step's tensors are: a view made outside it keeps its
+    base, and a graph traced on one guards on that base."""
+    _LoadOnly.on, _LoadOnly.missing = load_only, 0
+    try:
+        with torch.inference_mode():
+            got = sum(bool(m.compile_rows(dtype, device)) for m in model.modules()
+                      if hasattr(m, "compile_rows"))
+        return got, _LoadOnly.missing
+    finally:
+        _LoadOnly.on = False

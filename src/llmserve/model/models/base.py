@@ -233,8 +233,10 @@ class CausalLM(nn.Module, ABC):
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        for layer, rotary, kv in zip(self.layers, self._layer_rotary, kv_caches):
-            h = layer(positions, h, rotary, kv, meta)
+        # layers indexed, not iterated: iterating a ModuleList makes a traced graph guard
+        # the order of its dict's keys, a guard a saved graph cannot keep (graph_store.py)
+        for i, (rotary, kv) in enumerate(zip(self._layer_rotary, kv_caches)):
+            h = self.layers[i](positions, h, rotary, kv, meta)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
