@@ -154,3 +154,55 @@ def test_a_first_start_serves_eagerly_while_a_child_compiles(tiny_path, tmp_path
     waited = LLM(tiny_path, **kw)   # loads what the child saved
     assert [o.outputs[0].token_ids for o in waited.generate(PROMPTS, GREEDY)] == after
     assert LLM(tiny_path, compile_in_background=True, **kw).engine.runner.pending_graphs is None
+
+
+def test_a_saved_graph_runs_on_another_pool_size_and_other_weights(tmp_path, monkeypatch,
+                                                                   caplog):
+    """A graph is saved by one engine (a 64-block pool, seed-5 weights) and loaded by
+    another with a larger pool, contexts past block 64 and other weight values of the same
+    shapes: the pool's size is a dynamic dimension and the weights are read at every call,
+    so its tokens are the eager engine's."""
+    monkeypatch.setenv("LLMSERVE_COMPILE_CACHE", str(tmp_path / "cache"))
+    a = make_tiny_checkpoint(str(tmp_path / "a"), arch="llama", num_heads=4, num_kv_heads=2,
+                             seed=5)
+    b = make_tiny_checkpoint(str(tmp_path / "b"), arch="llama", num_heads=4, num_kv_heads=2,
+                             seed=6)
+    small = dict(dtype="float32", max_num_seqs=4, num_kv_blocks=64)
+    LLM(a, enforce_eager=False, **small)   # compiles and saves
+    big = dict(dtype="float32", max_num_seqs=4, num_kv_blocks=200)
+    prompts = [list(range(100, 100 + 90 * k)) for k in (1, 2, 3)] + [[5, 6, 7]]
+    with caplog.at_level(logging.INFO, logger="llmserve.model.executor.compile"):
+        llm = LLM(b, enforce_eager=False, **big)
+    assert "batch 1 loaded" in caplog.text and "batches 2-4 loaded" in caplog.text
+    assert sorted(llm.engine.runner.compiled._compiled.saved) == ["many", "one"]
+    ref = LLM(b, enforce_eager=True, **big).generate(prompts, GREEDY)
+    got = llm.generate(prompts, GREEDY)
+    assert llm.engine.kv.num_blocks == 200
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert not llm.engine.runner.compiled._compiled.eager and not llm.engine.runner.compiled.failed
+
+
+def test_a_step_its_saved_graph_refuses_runs_eagerly_without_compiling(tiny_path, tmp_path,
+                                                                       monkeypatch, caplog):
+    """A saved graph whose guards refuse a step (shapes it was not traced for) does not
+    send the step to an in-process compile: that step and later ones of the same graph
+    run eagerly, with one warning, and give the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("LLMSERVE_COMPILE_CACHE", str(tmp_path))
+    kw = dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(tiny_path, enforce_eager=False, **kw)
+    graphs = llm.engine.runner.compiled._compiled
+
+    def refusing(*args):
+        raise RuntimeError("GuardManager check failed, reason: a test")
+
+    graphs.saved["one"] = refusing
+    frames = counters["frames"]["total"]
+    with caplog.at_level(logging.WARNING):
+        got = llm.generate([[5, 6, 7, 8]], GREEDY)
+    ref = LLM(tiny_path, enforce_eager=True, **kw).generate([[5, 6, 7, 8]], GREEDY)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert caplog.text.count("did not fit its saved graph") == 1
+    assert graphs.eager == {"one"} and "many" in graphs.saved
+    assert counters["frames"]["total"] == frames

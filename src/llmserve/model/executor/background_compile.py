@@ -6,13 +6,16 @@ Compiling the default model's decode graphs takes a minute or more on 2 cores. W
 are saved (graph_store.py) and, if any is missing, starts one child process that builds
 the same runner (the same config and checkpoint, a small KV pool: the pool's size is a
 dynamic dimension of the graphs), compiles every graph and saves it, at the lowest CPU
-priority. Until it exits, decode and verify steps run eagerly and prefill chunks without
-the compiled many-row functions: eager and compiled steps give a row the same logits (the
+priority. Until it exits, decode and verify steps run eagerly, and prefill chunks without
+the many-row functions that were not saved yet: eager and compiled steps give a row the
+same logits (the
 compiled graphs round like eager code, compile.py), so a sequence that spans the switch
 gets the tokens it would have got either way. Between two steps after the child exits,
 the runner loads the graphs (a second or two, once) and runs compiled from then on. No
 request ever waits on a compile; a child that fails leaves the engine eager, with a
-warning.
+warning. Where a child cannot help (graphs that cannot be saved, a GPU, too little memory
+for its copy of the weights) the engine compiles before it is ready, as with
+``--startup-compile wait``.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ logger = logging.getLogger(__name__)
 #: KV blocks of the child's pool: the graphs index the pool through a dynamic dimension,
 #: so a small pool compiles the same graphs as the engine's
 CHILD_KV_BLOCKS = 64
+#: The child's exit code when it compiled every graph but could not save one
+UNSAVED_EXIT = 3
+#: Free memory the child needs, in multiples of the model's resident weights (it loads a
+#: copy of them)
+CHILD_MEMORY_FACTOR = 1.5
 
 
 class BackgroundCompile:
@@ -64,14 +72,22 @@ class BackgroundCompile:
         if code == 0 and runner.warmup(load_only=True):
             logger.info("compiled step graphs loaded %.0fs after start-up; steps run "
                         "compiled from now on", time.time() - self.started)
+        elif code == UNSAVED_EXIT:
+            logger.warning("the background compile could not save every graph (its log says "
+                           "which); steps keep running eagerly: --startup-compile wait "
+                           "compiles them in the server's process")
         else:
             logger.warning("the background compile %s; steps keep running eagerly",
                            f"exited with code {code}" if code else "left graphs unsaved")
 
     def stop(self) -> None:
+        """End the child (the engine shuts down before it finished)."""
         if self.proc.is_alive():
             self.proc.terminate()
-        self.proc.join(timeout=10)
+            self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -102,12 +118,46 @@ def _compile_entry(config: EngineConfig, args: "RunnerArgs",
     runner = ModelRunner(child, open_checkpoint(args.model_path), args.max_model_len,
                          args.eos_token_ids, sample_vocab_size=args.sample_vocab_size)
     runner.warmup()
+    if not runner.warmup(load_only=True):   # a graph the AOT compiler would not save
+        raise SystemExit(UNSAVED_EXIT)
 
 
 def start_if_missing(runner: "ModelRunner", args: "RunnerArgs") -> Optional[BackgroundCompile]:
     """Load the saved graphs into ``runner``; if one is missing, the child that makes them
-    (None when every graph is ready)."""
+    (None when every graph is ready). Where a child cannot help, the runner compiles now,
+    as ``--startup-compile wait`` does: graphs that cannot be saved (LoRA slots,
+    ``LLMSERVE_SAVED_GRAPHS=0``), a device other than the CPU, too little free memory for
+    a second copy of the weights, or a child that cannot be started."""
+    reason = _why_not_background(runner)
+    if reason:
+        logger.info("compiling before serving: %s", reason)
+        runner.warmup()
+        return None
     if runner.warmup(load_only=True):
         return None
-    runner.pending_graphs = BackgroundCompile(runner.config, args)
+    try:
+        runner.pending_graphs = BackgroundCompile(runner.config, args)
+    except Exception as exc:  # noqa: BLE001 - no child process here: compile in process
+        logger.warning("no background compile (%s: %s); compiling before serving",
+                       type(exc).__name__, exc)
+        runner.warmup()
+        return None
     return runner.pending_graphs
+
+
+def _why_not_background(runner: "ModelRunner") -> str:
+    """Why a background compile cannot make this runner's graphs ('' if it can)."""
+    from llmserve.model.executor.inductor_setup import saving_enabled
+    from llmserve.model.platform import available_memory_bytes
+
+    steps = [s for s in (runner.compiled, runner.compiled_verify) if s is not None]
+    if not steps:
+        return "nothing is compiled"
+    if not saving_enabled() or any(not s.saves_graphs for s in steps):
+        return "these graphs cannot be saved"
+    if runner.device.type != "cpu":
+        return f"a background compile runs on the CPU only, not {runner.device.type}"
+    need = CHILD_MEMORY_FACTOR * runner.weight_bytes
+    if available_memory_bytes(runner.device) < need:
+        return f"less than {need / 2**30:.1f} GiB free for a compiling copy of the model"
+    return ""

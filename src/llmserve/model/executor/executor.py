@@ -125,9 +125,9 @@ class LocalExecutor(_RankZero):
 
     def shutdown(self) -> None:
         """Stop a background compile still running."""
-        if self.runner.pending_graphs is not None:
-            self.runner.pending_graphs.stop()
-            self.runner.pending_graphs = None
+        pending, self.runner.pending_graphs = self.runner.pending_graphs, None
+        if pending is not None:
+            pending.stop()
 
 
 class TensorParallelExecutor(_RankZero):

@@ -13,9 +13,13 @@ every graph), llmserve's model-layer source (the graph inlines it), the model's 
 values, which are read at every call), the step's inputs and inductor's rounding setting. Anything else (a stale or unreadable file, a torch that
 cannot load it) is a miss: the graph is compiled again and the file rewritten.
 
-Only guards that can be saved are kept with a graph (input dtypes, shapes and the shape
-relations dynamo derived); guards on the model's modules are dropped, as they are for the
-in-process graphs of a model that never changes after loading (compile.py).
+Only the guards that can be saved are kept with a graph: the shape relations dynamo derived
+for its inputs (dynamic sizes and their bounds) and torch's global state (grad mode, thread
+count). Guards on the model's modules are dropped, as they are for the in-process graphs of
+a model that never changes after loading (compile.py), and so are the per-tensor dtype and
+stride checks (their dispatch keys and dynamic-dimension markings do not survive a save):
+the inputs come from the runner's own staging buffers and KV pool, whose dtypes and fixed
+sizes are part of the file's name, and the step picks the graph by batch size itself.
 """
 from __future__ import annotations
 
@@ -65,14 +69,23 @@ def plain_attrs(obj: object) -> list[str]:
         return [type(obj).__qualname__]
     out = []
     for key, value in items:
-        if isinstance(value, _PLAIN) or (isinstance(value, tuple)
-                                         and all(isinstance(v, _PLAIN) for v in value)):
+        if isinstance(value, _PLAIN) or _plain_container(value):
             out.append(f"{key}={value!r}")
         elif isinstance(value, torch.Tensor):
             out.append(f"{key}={tensor_signature(value)}")
-        elif not isinstance(value, (nn.Module, dict, list)) and not callable(value):
+        elif not isinstance(value, (nn.Module, dict, list, tuple)) and not callable(value):
             out.append(f"{key}:{type(value).__qualname__}")
     return out
+
+
+def _plain_container(value: object) -> bool:
+    """A tuple, list or dict of plain values (a fused projection's split sizes, a rope
+    scaling config)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and (isinstance(v, _PLAIN) or _plain_container(v))
+                   for k, v in value.items())
+    return isinstance(value, (tuple, list)) and all(
+        isinstance(v, _PLAIN) or _plain_container(v) for v in value)
 
 
 def tensor_signature(t: torch.Tensor) -> str:
@@ -116,10 +129,11 @@ def inputs_signature(args: Iterable[object]) -> str:
 
 
 def savable_guards(entries: Sequence[object]) -> list[bool]:
-    """The guard filter of saved graphs: keep the guards on the step's inputs (dtypes,
-    shapes, the shape relations) and on torch's global state; drop those on globals, on
-    the step object (its model and attention backend: fixed when it is built, and part of
-    the file's name instead) and the kinds the AOT format cannot store."""
+    """The guard filter of saved graphs: keep the shape relations of the step's inputs
+    and torch's global state; drop the guards on globals, on the step object (its model
+    and attention backend: fixed when it is built, and part of the file's name instead),
+    the per-tensor checks (see the module's docstring) and the kinds the AOT format
+    cannot store."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
@@ -146,6 +160,7 @@ class GraphStore:
             *context])
 
     def path(self, name: str, args: Sequence[object]) -> Path:
+        """The file of graph ``name`` compiled for inputs like ``args``."""
         key = hashlib.sha256(f"{self._base}\n{name}\n{inputs_signature(args)}".encode())
         return self.root / f"{self.step}-{name}-{key.hexdigest()[:24]}.bin"
 

@@ -14,13 +14,15 @@ at start-up or on a later call, the module logs it and runs the plain function.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from llmserve.model.executor.compile import compiler_error, configure_inductor, saved_graphs_dir, saving_enabled
+from llmserve.model.executor.compile import compiler_error
 from llmserve.model.executor.graph_store import GraphStore, savable_guards
+from llmserve.model.executor.inductor_setup import configure_inductor, saved_graphs_dir, saving_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +66,16 @@ def _static_args(args: tuple) -> str:
                     for a in args)
 
 
-class _LoadOnly:
-    """While ``on``, compile_rows takes only graphs saved on disk (a background compile
-    makes the others) and counts the ones it did not find."""
+class _LoadOnlyState(threading.local):
+    """While ``on`` (in this thread: engines of one process warm up on their own
+    threads), compile_rows takes only graphs saved on disk (a background compile makes
+    the others) and counts the ones it did not find."""
 
     on = False
     missing = 0
+
+
+_LoadOnly = _LoadOnlyState()
 
 
 def _saved_or_traced(fn: Callable, warm_args: tuple) -> Optional[Callable]:
