@@ -118,3 +118,37 @@ def test_ngram_speculation_gives_the_logits_of_plain_decoding(gguf_path):
                 "with n-gram speculation, alone")
     assert_same(alone, run(spec, loop, long), "with n-gram speculation, batched")
     assert spec.engine.get_stats().spec_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_logits_are_the_same_after_preemption_and_recompute(gguf_path, params):
+    """A pool too small for the whole batch preempts running requests and recomputes
+    them later (their prompt and the tokens they had, as one prefill): each request still
+    gets the tokens and logits it gets alone."""
+    llm = engine(gguf_path, enable_prefix_caching=False)
+    alone = [run(llm, [p], params) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    tight = LLM(gguf_path, dtype="bfloat16", quantization="auto", num_kv_blocks=20,
+                block_size=16, max_num_seqs=16, enforce_eager=False,
+                enable_prefix_caching=False)
+    got = run(tight, TARGETS + FILLERS[:8], params)
+    assert tight.engine.get_stats().num_preemptions > 0
+    assert_same(alone, (got[0][:4], got[1][:4]), "after preemption")
+    assert tight.engine.kv.num_used_blocks == 0
+
+
+def test_draft_model_speculation_gives_the_logits_of_plain_decoding(gguf_path):
+    """A draft model (the target's own file, its own engine) proposes tokens that the
+    target verifies: each emitted token comes from the logits plain decoding gives it,
+    alone and batched."""
+    long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = engine(gguf_path, enable_prefix_caching=False)
+    alone = [run(plain, [p], long) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    spec = engine(gguf_path, enable_prefix_caching=False, speculative_method="draft",
+                  draft_model=gguf_path, num_speculative_tokens=3)
+    solo = [run(spec, [p], long) for p in TARGETS]
+    assert_same(alone, ([a[0][0] for a in solo], [a[1][0] for a in solo]),
+                "with a draft model, alone")
+    assert_same(alone, run(spec, TARGETS, long), "with a draft model, batched")
+    assert spec.engine.get_stats().spec_accepted_tokens_total > 0
