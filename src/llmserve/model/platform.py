@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
+import time
 
 import torch
 
@@ -89,3 +91,15 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def exit_with_parent(parent_pid: int, code: int = 1) -> None:
+    """End this process (exit ``code``) once the process that started it is gone: a
+    spawned helper (a tensor-parallel rank, a background compile) never outlives it."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(code)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="llmserve-parent-watch", daemon=True).start()

@@ -18,8 +18,6 @@ import dataclasses
 import logging
 import os
 import socket
-import threading
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +25,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.model.distributed.group import TensorParallelGroup
 from llmserve.model.executor.capture import LogitsCapture
+from llmserve.model.platform import exit_with_parent
 
 if TYPE_CHECKING:
     from llmserve.engine.step_types import StepInput
@@ -53,21 +52,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit the worker if the process that started it is gone (no orphans)."""
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-    threading.Thread(target=watch, name="llmserve-tp-parent", daemon=True).start()
-
-
 def _worker_entry(rank: int, world_size: int, config: EngineConfig, runner_args: RunnerArgs,
                   parent_pid: int) -> None:  # pragma: no cover - runs in spawned processes
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     run_worker(rank, world_size, rank, config, runner_args)
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.model.platform import exit_with_parent
 
 if TYPE_CHECKING:
     from llmserve.model.executor.executor import RunnerArgs
@@ -90,21 +90,9 @@ class BackgroundCompile:
             self.proc.join(timeout=5)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """End this process when the engine's process is gone (a killed server leaves no
-    orphan compiling for a minute)."""
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(0)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, name="llmserve-compile-watch", daemon=True).start()
-
-
 def _compile_entry(config: EngineConfig, args: "RunnerArgs",
                    parent_pid: int) -> None:  # pragma: no cover - runs in the child
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid, code=0)
     try:
         os.nice(19)
     except OSError:

@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 import types
+from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
@@ -123,7 +124,7 @@ class _Graphs:
             return self.step._forward(*args)
 
 
-class CompiledStep:
+class CompiledStep(ABC):
     """What both compiled steps share: the model, its KV caches and staging buffers, its
     graphs (saved on disk and loaded when they exist, ``graph_store.py``; traced in process
     otherwise), and the eager fallback after a compiler failure (``failed``)."""
@@ -158,12 +159,13 @@ class CompiledStep:
         """Whether this step's graphs are saved on disk (and loaded on a restart)."""
         return self._store is not None
 
+    @abstractmethod
     def graph_name(self, args: tuple) -> str:
-        """Which saved graph runs a step with these inputs (subclasses)."""
-        raise NotImplementedError
+        """Which saved graph runs a step with these inputs."""
 
+    @abstractmethod
     def _forward(self, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """``(logits, normed rows)`` of the step's inputs, the KV caches last (traced)."""
 
     def _build(self, args: tuple, label: str, load_only: bool = False) -> bool:
         """Make the graph ``graph_name(args)`` ready: load it if it was saved, else compile
