@@ -73,7 +73,8 @@ def test_quantized_experts_arrive_one_raw_tensor_each(q8_moe):
 
 
 def test_quantized_moe_gguf_serves_with_packed_experts(q8_moe, caplog):
-    """bf16 + ``quantization auto``: every expert matrix is packed int8 (Q8_0 kept), the
+    """bf16 + ``quantization auto``: every expert matrix is packed (Q8_0's own blocks where
+    the int8-activation block kernel runs, int8 per channel elsewhere), the
     router stays dense, the compiled decode step is bypassed with a logged reason, and the
     greedy tokens equal the float32 dequantized run's on this tiny model."""
     from llmserve import LLM, SamplingParams
@@ -85,8 +86,10 @@ def test_quantized_moe_gguf_serves_with_packed_experts(q8_moe, caplog):
                      check_invariants=True)
     assert packed.engine.runner.compiled is None
     assert "mixture-of-experts" in caplog.text
-    # 2 layers x (qkv, o, 4 experts x 2, shared expert x 2) + lm_head = 25 int8 matrices
-    assert "int8x25" in packed.engine.runner.quantization
+    # 2 layers x (qkv, o, 4 experts x 2, shared expert x 2) + lm_head = 25 packed matrices
+    from llmserve.model.quant.native_qblock import native_qblock_available
+    fmt = "gguf-q8_0-a8" if native_qblock_available() else "int8"
+    assert f"{fmt}x25" in packed.engine.runner.quantization
     dense = LLM(path, dtype="float32", num_kv_blocks=64)
     prompt = [list(range(100, 137))]
     assert packed.generate(prompt, params)[0].outputs[0].token_ids == \

@@ -1,4 +1,4 @@
-"""Build llama.cpp's ``llama-server`` (and ``llama-bench``) once per machine, outside the repo.
+"""Build llama.cpp's ``llama-server`` (with ``llama-bench`` and ``llama-quantize``) once per machine, outside the repo.
 
 ``python -m tools.peers.build_llama_server`` (``make bench-peers-llama``):
 
@@ -42,7 +42,7 @@ from llmserve.bench.peers import (
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 COMMON_CMAKE_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",

@@ -78,6 +78,11 @@ class ModelRunner:
         self.quantization = describe_quantization(self.model)
         logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
                     str(self.dtype).replace("torch.", ""), self.quantization, time.time() - t0)
+        requantized = getattr(method, "requantized", None)
+        if requantized:
+            logger.info("GGUF tensors off the packed kernels (dequantized, then int8 per "
+                        "channel: a second rounding): %s",
+                        ", ".join(f"{k} x{v}" for k, v in sorted(requantized.items())))
         self.num_blocks = plan_num_blocks(cfg, mc, self.kv_dtype, self.device, max_model_len)
         if sharding:   # block tables index every rank's pool: one size for all
             self.num_blocks = sharding.agree_min(self.num_blocks)

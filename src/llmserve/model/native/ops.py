@@ -1,6 +1,6 @@
 """llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
 
-Six operators, ``torch.ops.llmserve_native``:
+Seven operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
@@ -8,6 +8,8 @@ Six operators, ``torch.ops.llmserve_native``:
   pack the weights and document the layouts);
 - ``int4_a8_mm`` / ``int8_a8_mm``: the same int4 / int8 weights x activation rows quantized
   to int8 in blocks of 32, by ``vpdpbusd`` (they also need AVX512-VNNI: ``a8_supported``);
+- ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q5_K/Q6_K weights in their own codes and scales x
+  the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too);
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
   (:mod:`llmserve.model.attention.native_decode`).
 
@@ -114,6 +116,13 @@ def _fake_bf16_mm(x: torch.Tensor, packed: torch.Tensor, float_out: bool = False
                        dtype=torch.float32 if float_out else x.dtype)
 
 
+def _fake_qblock_mm(x: torch.Tensor, packed: torch.Tensor, sub: torch.Tensor,
+                    sup: "torch.Tensor | None", bits: int, mode: int,
+                    float_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 16,
+                       dtype=torch.float32 if float_out else x.dtype)
+
+
 def _fake_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, valid: torch.Tensor, scale: float,
                        softcap: float) -> torch.Tensor:
@@ -146,6 +155,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::int8_mm")(_fake_int8_mm)
             torch.library.register_fake("llmserve_native::int8_a8_mm")(_fake_int8_mm)
             torch.library.register_fake("llmserve_native::bf16_mm")(_fake_bf16_mm)
+            torch.library.register_fake("llmserve_native::qblock_a8_mm")(_fake_qblock_mm)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels

@@ -53,7 +53,7 @@ def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _nibbles_32(blocks[..., 4:20]), d, m + 8.0 * d
 
 
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """12 bytes of packed 6-bit values -> (scales, mins), each (..., 8)."""
     s = s.astype(np.uint8)
     lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
@@ -65,7 +65,7 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
-    sc, mn = _k_scales(blocks[..., 4:16])
+    sc, mn = k_scales(blocks[..., 4:16])
     qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
     codes = np.stack([qs & 0x0F, qs >> 4], axis=-2)                # (..., 4, 2, 32)
     codes = codes.reshape(*blocks.shape[:-1], 8, 32)

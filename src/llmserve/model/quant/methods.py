@@ -15,16 +15,22 @@ Which format a layer gets:
     Int4LinearMethod(g)   int4 group g; exact int4 shards of group g are kept, the rest RTN
     Int8LinearMethod      int8 per channel (RTN of the float values)
     GGUFLinearMethod      what the file holds: int4 when every shard is a 4-bit type, dense
-                          when any shard is a float type (F32/F16/BF16), int8 otherwise
-                          (Q8_0, Q5_*, Q6_K, ... and fused mixes such as Q4_K q/k + Q6_K v)
+                          when any shard is a float type (F32/F16/BF16); with int8
+                          activations (AVX512-VNNI) Q8_0/Q5_0/Q5_1/Q5_K/Q6_K keep their own
+                          codes and scales (``gguf-q5_k-a8``: native_qblock.py) and a fused
+                          mix (Q4_K q/k + Q6_K v) is split into one product per format;
+                          otherwise (bf16 activations, no VNNI, Q2_K/Q3_K/IQ*) int8 per
+                          channel, a second rounding (the load log counts such layers)
 
-The packed weight is a submodule ``layer.qweight`` (:class:`Int4Weight` / :class:`Int8Weight`);
-dense layers fall back to :class:`DenseLinearMethod`. The layer's bias stays dense.
+The packed weight is a submodule ``layer.qweight`` (:class:`Int4Weight` / :class:`Int8Weight`
+/ :class:`QBlockWeight` / :class:`SplitWeight`); dense layers fall back to
+:class:`DenseLinearMethod`. The layer's bias stays dense.
 """
 from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -33,6 +39,7 @@ from torch import nn
 
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
 from llmserve.model.loading.gguf import RawGGUFTensor
+from llmserve.model.quant.block_codes import BlockCodes, to_block_codes
 from llmserve.model.quant.gguf_blocks import dequantize_raw, to_int4_groups
 from llmserve.model.quant.kernels import (
     INT4_GROUP_SIZES,
@@ -42,22 +49,37 @@ from llmserve.model.quant.kernels import (
     quantize_int4,
     quantize_int8,
 )
+from llmserve.model.quant.native_qblock import QBlockWeight, SplitWeight, native_qblock_available
 
 logger = logging.getLogger(__name__)
 
 #: Where a shard's values came from (the GGUF policy keys on it).
-EXACT_INT4, OTHER_QUANT, FLOAT = "int4", "quant", "float"
+EXACT_INT4, BLOCKS, OTHER_QUANT, FLOAT = "int4", "blocks", "quant", "float"
 
 
 @dataclass
 class Shard:
-    """One checkpoint tensor of a layer, decoded: exact int4 groups or float32 values."""
+    """One checkpoint tensor of a layer, decoded: exact int4 groups, a 5/6/8-bit GGUF type's
+    own codes and scales, or float32 values."""
 
-    origin: str                       # EXACT_INT4 | OTHER_QUANT | FLOAT
-    values: Union[Int4Groups, torch.Tensor]
+    origin: str                       # EXACT_INT4 | BLOCKS | OTHER_QUANT | FLOAT
+    values: Union[Int4Groups, BlockCodes, torch.Tensor]
+    qtype: str = ""                   # the GGUF type name of an OTHER_QUANT shard
 
     def as_float(self) -> torch.Tensor:
-        return self.values.dequantize() if isinstance(self.values, Int4Groups) else self.values
+        if isinstance(self.values, (Int4Groups, BlockCodes)):
+            return self.values.dequantize()
+        return self.values
+
+    @property
+    def kind(self) -> str:
+        """What can share one packed product with this shard: ``int4-g32``, ``Q6_K``, ...
+        (the GGUF type name for other quantized shards)."""
+        if isinstance(self.values, Int4Groups):
+            return f"int4-g{self.values.group_size}"
+        if isinstance(self.values, BlockCodes):
+            return self.values.qtype
+        return self.qtype or self.origin
 
 
 def decode_shard(tensor: "torch.Tensor | RawGGUFTensor") -> Shard:
@@ -66,7 +88,10 @@ def decode_shard(tensor: "torch.Tensor | RawGGUFTensor") -> Shard:
         groups = to_int4_groups(tensor)
         if groups is not None:
             return Shard(EXACT_INT4, groups)
-        return Shard(OTHER_QUANT, dequantize_raw(tensor))
+        codes = to_block_codes(tensor)
+        if codes is not None:
+            return Shard(BLOCKS, codes)
+        return Shard(OTHER_QUANT, dequantize_raw(tensor), tensor.qtype.name)
     return Shard(FLOAT, tensor.float())
 
 
@@ -84,7 +109,8 @@ class QuantizedLinearMethod(LinearMethod):
     # ---- the format decision ----------------------------------------------------------------
     @abstractmethod
     def choose_format(self, shards: list[Shard]) -> str:
-        """``"int4"``, ``"int8"`` or ``"dense"`` for a layer made of ``shards``."""
+        """``"int4"``, ``"int8"``, ``"dense"``, ``"qblock"`` (one GGUF block type kept) or
+        ``"split"`` (one product per shard format) for a layer made of ``shards``."""
 
     def int4_group_size(self) -> int:
         return 32
@@ -150,6 +176,12 @@ class QuantizedLinearMethod(LinearMethod):
             groups = Int4Groups.cat([s.values for s in shards]) if exact else \
                 quantize_int4(torch.cat([s.as_float() for s in shards]), g)
             layer.qweight = Int4Weight(groups, int8_activations=self.int8_activations)
+        elif fmt == "qblock":
+            layer.qweight = QBlockWeight(BlockCodes.cat([s.values for s in shards]))
+            fmt = f"gguf-{layer.qweight.qtype.lower()}-a8"
+        elif fmt == "split":
+            layer.qweight = SplitWeight(self._split_parts(shards))
+            fmt = "split:" + "+".join(_part_format(p) for p in layer.qweight.parts)
         elif fmt == "int8":
             layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])))
         elif fmt == "dense":
@@ -161,6 +193,23 @@ class QuantizedLinearMethod(LinearMethod):
         layer.qformat = fmt
         if fmt == "int4":   # "-a8": int8 activations (another arithmetic, another fingerprint)
             layer.qformat = f"int4-g{g}-a8" if layer.qweight.int8_activations else f"int4-g{g}"
+
+    def _split_parts(self, shards: list[Shard]) -> "list[nn.Module]":
+        """One weight per run of consecutive shards of one kind (int4 groups, a block type)."""
+        runs: list[list[Shard]] = []
+        for s in shards:
+            if runs and runs[-1][0].kind == s.kind:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        parts: list[nn.Module] = []
+        for run in runs:
+            if run[0].origin == EXACT_INT4:
+                parts.append(Int4Weight(Int4Groups.cat([s.values for s in run]),
+                                        int8_activations=self.int8_activations))
+            else:
+                parts.append(QBlockWeight(BlockCodes.cat([s.values for s in run])))
+        return parts
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.qweight is None:
@@ -200,7 +249,15 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
 
 class GGUFLinearMethod(QuantizedLinearMethod):
-    """Keep what the GGUF file holds: 4-bit types as exact int4, other quants as int8."""
+    """Keep what the GGUF file holds: 4-bit types as exact int4; with int8 activations the
+    5/6/8-bit types in their own blocks (mixed fused layers split by format); the rest int8."""
+
+    def __init__(self, int8_activations: bool = False) -> None:
+        super().__init__(int8_activations)
+        #: the block kernels run here (int8 activations, VNNI, self-test passed)
+        self.block_kernels = int8_activations and native_qblock_available()
+        #: layers per GGUF type that were dequantized and requantized to int8 per channel
+        self.requantized: Counter = Counter()
 
     def choose_format(self, shards: list[Shard]) -> str:
         origins = {s.origin for s in shards}
@@ -208,4 +265,15 @@ class GGUFLinearMethod(QuantizedLinearMethod):
             return "int4"
         if FLOAT in origins:
             return "dense"
+        if self.block_kernels and origins <= {EXACT_INT4, BLOCKS}:
+            return "qblock" if len({s.kind for s in shards}) == 1 else "split"
+        self.requantized.update(s.kind for s in shards if s.origin != EXACT_INT4)
         return "int8"
+
+
+def _part_format(part: nn.Module) -> str:
+    if isinstance(part, QBlockWeight):
+        return f"gguf-{part.qtype.lower()}-a8"
+    if isinstance(part, Int4Weight):
+        return f"int4-g{part.group_size}" + ("-a8" if part.int8_activations else "")
+    return type(part).__name__

@@ -5,7 +5,8 @@
 //   per (row, block of 32 k's):  s = max|x| / 127,  code = round_half_even(x / s)
 //
 // stored as codes (rows, K) int8, scales[r, b] = s and, when asked (non-null),
-// scaled_sums[r, b] = s * sum(codes) and sums[r, b] = sum(codes). A NaN or an infinity makes the block's scale NaN and
+// scaled_sums[r, b] = s * sum(codes), sums[r, b] = sum(codes) and half_sums[r, b, h] = the sum
+// of codes 16h .. 16h + 15 of the block. A NaN or an infinity makes the block's scale NaN and
 // its codes 0, so every output it feeds is NaN (an int8 code cannot stand for either); a block
 // with max|x| <= 1e-30 quantizes to zeros (127 / max|x| would overflow). Rows are independent: a row's codes never depend on its batch.
 #pragma once
@@ -24,7 +25,8 @@ constexpr int kQuantBlock = 32;        // activation quantization block (k's)
 constexpr float kTinyBlock = 1e-30f;   // blocks with max|x| <= this are zeros
 
 inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* codes,
-                          float* scales, float* scaled_sums, int32_t* sums = nullptr) {
+                          float* scales, float* scaled_sums, int32_t* sums = nullptr,
+                          int32_t* half_sums = nullptr) {
   const int64_t blocks = k / kQuantBlock;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -49,7 +51,9 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* co
           // round to nearest even (the MXCSR default), as torch.round
           const __m512i q = nan ? _mm512_setzero_si512()
                                 : _mm512_cvtps_epi32(_mm512_mul_ps(v[h], vinv));
-          sum += _mm512_reduce_add_epi32(q);
+          const int32_t half = _mm512_reduce_add_epi32(q);
+          sum += half;
+          if (half_sums != nullptr) half_sums[(r * blocks + b) * 2 + h] = half;
           _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * k + b * kQuantBlock + 16 * h),
                            _mm512_cvtsepi32_epi8(q));
         }

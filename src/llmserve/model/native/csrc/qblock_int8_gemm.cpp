@@ -1,0 +1,298 @@
+// GGUF block-quantized weights (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) x int8 activations for
+// AVX512-VNNI CPUs: llmserve_native::qblock_a8_mm.
+//
+// The weights keep their file's codes and scales (an exact re-layout, no second rounding);
+// each activation row is quantized in blocks of 32 (int8_rows.h), and per (row, block of 32
+// k's, channel) the unsigned weight codes u are dotted with the activation codes c exactly in
+// int32 by vpdpbusd. Three scale modes, each what its GGUF type stores:
+//
+//   mode 0 (f16, Q5_1)                 w = scale * u + min          fp16 scale, min per block
+//        y += (scale * s) * dot + min * (s * sum(c))
+//   mode 3 (f16s, Q8_0 / Q5_0)         w = d (u - 2^(BITS-1))       fp16 d per block
+//        y += (d * s) * (dot - 2^(BITS-1) sum(c))
+//   mode 1 (k32, Q5_K)                 w = d sc u - dmin mn         uint8 sc, mn per block,
+//        y += (d sc s) * dot - (dmin mn) * (s * sum(c))             fp32 d, dmin per 256 k's
+//   mode 2 (k16, Q6_K)                 w = d sc_h (u - 32)          int8 sc_h per 16 k's,
+//        y += (d sc_h s) * (dot_h - 32 sum_h(c))   (h: block half)  fp32 d per 256 k's
+//
+// d * sc is formed in float32, where it is exact (11 x 8 significant bits), so the weights
+// are the values gguf's own dequantizer gives. Rows are independent and every row count runs
+// the same arithmetic in the same order: a row's result never depends on its batch.
+//
+// Weight layout (packed once at load by llmserve.model.quant.native_qblock.pack_qblock):
+//   strips of 16 output channels; per strip, K/32 blocks of 64 * BITS bytes:
+//   BITS 8:     8 quads of 64 bytes: byte 4c + j of quad o = u[16s + c][32b + 4o + j]
+//   BITS 5, 6:  4 octets of 64 nibble bytes (int4_int8_gemm.cpp's layout: low nibble of
+//               byte 4c + j = bits 0-3 of u[c][8o + j], high nibble = those of u[c][8o+4+j]),
+//               then BITS - 4 planes of 64 bytes: plane p, octet o, half v (low/high
+//               nibbles): 8 bytes whose bit 4c + j is bit 4 + p of that code.
+//   sub:  (strips, K/32, 2, 16): fp16 (scale, min) | uint8 (sc, mn) | int8 (sc_0, sc_1);
+//         (strips, K/32, 1, 16) fp16 d for mode 3
+//   sup:  (strips, K/256, 2, 16) fp32 (d, dmin) for mode 1, (strips, K/256, 1, 16) (d) for 2
+// Row tiles of up to 8 rows share each unpacked vector; strips split over threads, each
+// strip's tiles prefetching the next strip (next_strip_prefetch.h).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "int8_rows.h"
+#include "next_strip_prefetch.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+using llmserve_native::broadcast4;
+using llmserve_native::kQuantBlock;
+
+constexpr int kStrip = 16;
+constexpr int kMaxRows = 8;
+constexpr int kSuperBlocks = 8;   // blocks of 32 per K-quant super-block of 256
+enum Mode : int { kF16 = 0, kK32 = 1, kK16 = 2, kF16S = 3 };
+
+inline __mmask64 load_mask(const uint8_t* p) {
+  uint64_t m;
+  std::memcpy(&m, p, sizeof(m));
+  return static_cast<__mmask64>(m);
+}
+
+inline __m512 u8x16_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m512 i8x16_ps(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+struct Strip {
+  const uint8_t* w;     // this strip's packed codes
+  const void* sub;      // this strip's per-block scales
+  const float* sup;     // this strip's per-super-block scales (modes 1, 2)
+};
+
+struct Rows {
+  const int8_t* xq;     // codes of the tile's first row
+  int64_t ldx;
+  const float* xs;      // (rows, blocks) scales
+  const float* xt;      // (rows, blocks) scale * sum(codes)
+  const int32_t* xsum;  // (rows, blocks) sum(codes)
+  const int32_t* xh;    // (rows, blocks, 2) half sums of codes
+};
+
+// The int32 dots of ROWS rows with one block of one strip, in two accumulators: by block
+// half when HALVES (the k16 mode's two scales), else two chains that hide vpdpbusd's latency.
+template <int BITS, bool HALVES, int ROWS>
+__attribute__((target("avx512vnni"))) inline void block_dots(const uint8_t* wb,
+                                                             const int8_t* xq, int64_t ldx,
+                                                             int64_t k0,
+                                                             __m512i (&acc)[ROWS][2]) {
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  if constexpr (BITS == 8) {
+#pragma GCC unroll 8
+    for (int o = 0; o < 8; ++o) {
+      const __m512i v = _mm512_loadu_si512(wb + 64 * o);
+      const int a = HALVES ? o >> 2 : o & 1;
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], v, broadcast4(xq + r * ldx + k0 + 4 * o));
+    }
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const uint8_t* planes = wb + 256;
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v = _mm512_loadu_si512(wb + 64 * o);
+      __m512i lo = _mm512_and_si512(v, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      lo = _mm512_mask_add_epi8(lo, load_mask(planes + 16 * o), lo, _mm512_set1_epi8(16));
+      hi = _mm512_mask_add_epi8(hi, load_mask(planes + 16 * o + 8), hi, _mm512_set1_epi8(16));
+      if constexpr (BITS == 6) {
+        lo = _mm512_mask_add_epi8(lo, load_mask(planes + 64 + 16 * o), lo, _mm512_set1_epi8(32));
+        hi = _mm512_mask_add_epi8(hi, load_mask(planes + 64 + 16 * o + 8), hi,
+                                  _mm512_set1_epi8(32));
+      }
+      const int a = HALVES ? o >> 1 : 0, b = HALVES ? o >> 1 : 1;
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = xq + r * ldx + k0 + 8 * o;
+        acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], lo, broadcast4(xr));
+        acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], hi, broadcast4(xr + 4));
+      }
+    }
+  }
+}
+
+// ROWS activation rows x one strip.
+template <int BITS, int MODE, int ROWS>
+__attribute__((target("avx512vnni"))) void strip_rows(Strip st, Rows x, int64_t blocks,
+                                                      void* y, int64_t ldy, bool float_out,
+                                                      const uint8_t* next, int64_t next_bytes,
+                                                      int64_t t, int64_t pf_lines) {
+  constexpr int64_t kBlockBytes = 64 * BITS;
+  __m512 out[ROWS];
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    llmserve_native::prefetch_share(next, next_bytes, t, blocks, b, pf_lines);
+    __m512i acc[ROWS][2];
+    block_dots<BITS, MODE == kK16, ROWS>(st.w + b * kBlockBytes, x.xq, x.ldx, b * kQuantBlock,
+                                         acc);
+    if constexpr (MODE == kF16S) {
+      const uint16_t* dp = static_cast<const uint16_t*>(st.sub) + b * kStrip;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp)));
+      constexpr int32_t kOffset = 1 << (BITS - 1);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t rb = r * blocks + b;
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]),
+                                             _mm512_set1_epi32(kOffset * x.xsum[rb]));
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.xs[rb])),
+                                 out[r]);
+      }
+    } else if constexpr (MODE == kF16) {
+      const uint16_t* sm = static_cast<const uint16_t*>(st.sub) + b * 2 * kStrip;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+      const __m512 min =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kStrip)));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
+        const int64_t rb = r * blocks + b;
+        out[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])), out[r]);
+        out[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[r]);
+      }
+    } else if constexpr (MODE == kK32) {
+      const uint8_t* sm = static_cast<const uint8_t*>(st.sub) + b * 2 * kStrip;
+      const float* dd = st.sup + (b / kSuperBlocks) * 2 * kStrip;
+      const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(dd), u8x16_ps(sm));
+      const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(dd + kStrip), u8x16_ps(sm + kStrip));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
+        const int64_t rb = r * blocks + b;
+        out[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])), out[r]);
+        out[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[r]);
+      }
+    } else {
+      const int8_t* sm = static_cast<const int8_t*>(st.sub) + b * 2 * kStrip;
+      const __m512 d = _mm512_loadu_ps(st.sup + (b / kSuperBlocks) * kStrip);
+      const __m512 scale0 = _mm512_mul_ps(d, i8x16_ps(sm));
+      const __m512 scale1 = _mm512_mul_ps(d, i8x16_ps(sm + kStrip));
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t rb = r * blocks + b;
+        const __m512 s = _mm512_set1_ps(x.xs[rb]);
+        const __m512i d0 = _mm512_sub_epi32(acc[r][0], _mm512_set1_epi32(32 * x.xh[2 * rb]));
+        const __m512i d1 = _mm512_sub_epi32(acc[r][1], _mm512_set1_epi32(32 * x.xh[2 * rb + 1]));
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(scale0, s), out[r]);
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(scale1, s), out[r]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    if (float_out)
+      _mm512_storeu_ps(static_cast<float*>(y) + r * ldy, out[r]);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ldy),
+                          (__m256i)_mm512_cvtneps_pbh(out[r]));
+  }
+}
+
+using StripFn = void (*)(Strip, Rows, int64_t, void*, int64_t, bool, const uint8_t*, int64_t,
+                         int64_t, int64_t);
+
+template <int BITS, int MODE>
+constexpr StripFn kRowFns[kMaxRows + 1] = {
+    nullptr,
+    strip_rows<BITS, MODE, 1>, strip_rows<BITS, MODE, 2>, strip_rows<BITS, MODE, 3>,
+    strip_rows<BITS, MODE, 4>, strip_rows<BITS, MODE, 5>, strip_rows<BITS, MODE, 6>,
+    strip_rows<BITS, MODE, 7>, strip_rows<BITS, MODE, 8>,
+};
+
+// The row functions of a (bits, mode) the loader packs; nullptr for any other pair.
+const StripFn* row_fns(int64_t bits, int64_t mode) {
+  if (bits == 8 && mode == kF16S) return kRowFns<8, kF16S>;
+  if (bits == 5 && mode == kF16S) return kRowFns<5, kF16S>;
+  if (bits == 5 && mode == kF16) return kRowFns<5, kF16>;
+  if (bits == 5 && mode == kK32) return kRowFns<5, kK32>;
+  if (bits == 6 && mode == kK16) return kRowFns<6, kK16>;
+  return nullptr;
+}
+
+void check_scales(const at::Tensor& t, at::ScalarType type, int64_t strips, int64_t n1,
+                  int64_t n2, const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 4 &&
+                  t.size(0) == strips && t.size(1) == n1 && t.size(2) == n2 && t.size(3) == 16,
+              "qblock_a8_mm: ", what, " must be contiguous (", strips, ", ", n1, ", ", n2,
+              ", 16) of ", c10::toString(type));
+}
+
+at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sub,
+                        const std::optional<at::Tensor>& sup, int64_t bits, int64_t mode,
+                        bool float_out) {
+  const StripFn* fns = row_fns(bits, mode);
+  TORCH_CHECK(fns != nullptr, "qblock_a8_mm: no kernel for ", bits, "-bit codes in mode ", mode);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "qblock_a8_mm: x must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "qblock_a8_mm: packed must be a contiguous 2-D uint8 tensor");
+  const int64_t rows = x.size(0), k = x.size(1), strips = packed.size(0);
+  const bool per_block = mode == kF16 || mode == kF16S;
+  const int64_t unit = per_block ? kQuantBlock : kQuantBlock * kSuperBlocks;
+  TORCH_CHECK(k > 0 && k % unit == 0, "qblock_a8_mm: K=", k, " is not a multiple of ", unit);
+  const int64_t blocks = k / kQuantBlock, block_bytes = 64 * bits;
+  TORCH_CHECK(packed.size(1) == blocks * block_bytes, "qblock_a8_mm: packed weight is for K=",
+              packed.size(1) / block_bytes * kQuantBlock, ", x has K=", k);
+  const at::ScalarType sub_type = per_block ? at::kHalf : mode == kK32 ? at::kByte : at::kChar;
+  const int64_t sub_rows = mode == kF16S ? 1 : 2;
+  check_scales(sub, sub_type, strips, blocks, sub_rows, "sub");
+  const float* supp = nullptr;
+  if (!per_block) {
+    TORCH_CHECK(sup.has_value(), "qblock_a8_mm: mode ", mode, " needs super-block scales");
+    check_scales(*sup, at::kFloat, strips, blocks / kSuperBlocks, mode == kK32 ? 2 : 1, "sup");
+    supp = sup->data_ptr<float>();
+  }
+  const int64_t n = strips * kStrip;
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (rows == 0 || n == 0) return y;
+  at::Tensor codes_t = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor stats_t = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
+  at::Tensor halves_t = at::empty({rows, blocks, 3}, x.options().dtype(at::kInt));
+  int8_t* xq = codes_t.data_ptr<int8_t>();
+  float* xs = stats_t.data_ptr<float>();
+  float* xt = xs + rows * blocks;
+  int32_t* xh = halves_t.data_ptr<int32_t>();
+  int32_t* xsum = xh + rows * blocks * 2;
+  llmserve_native::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq,
+                                 xs, xt, mode == kF16S ? xsum : nullptr,
+                                 mode == kK16 ? xh : nullptr);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const char* subp = static_cast<const char*>(sub.data_ptr());
+  const int64_t sub_bytes = blocks * sub_rows * kStrip * sub.element_size();
+  const int64_t sup_floats = blocks / kSuperBlocks * (mode == kK32 ? 2 : 1) * kStrip;
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t out_bytes = float_out ? 4 : 2, strip_bytes = blocks * block_bytes;
+  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t pf_lines = llmserve_native::next_strip_lines(strip_bytes, tiles, blocks);
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const Strip st{wp + s * strip_bytes, subp + s * sub_bytes,
+                     supp == nullptr ? nullptr : supp + s * sup_floats};
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = t * kMaxRows;
+        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
+        const Rows xr{xq + r0 * k, k, xs + r0 * blocks, xt + r0 * blocks, xsum + r0 * blocks,
+                      xh + r0 * blocks * 2};
+        fns[tile](st, xr, blocks, yp + (r0 * n + s * kStrip) * out_bytes, n, float_out,
+                  st.w + strip_bytes, strip_bytes, t, s + 1 < end ? pf_lines : 0);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
+  m.def("qblock_a8_mm(Tensor x, Tensor packed, Tensor sub, Tensor? sup, int bits, int mode, "
+        "bool float_out=False) -> Tensor");
+  m.impl("qblock_a8_mm", c10::DispatchKey::CPU, TORCH_FN(qblock_a8_mm));
+}

@@ -1,0 +1,176 @@
+"""GGUF 5/6/8-bit block weights on llmserve's int8-activation kernel (``qblock_a8_mm``).
+
+:class:`QBlockWeight` holds a Q8_0, Q5_0, Q5_1, Q5_K or Q6_K matrix in the file's own codes
+and scales (:mod:`~llmserve.model.quant.block_codes`), packed once for
+``model/native/csrc/qblock_int8_gemm.cpp``, whose comment documents the layout: strips of 16
+output channels, per block of 32 k's a nibble plane (as the int4 x int8 kernel's) plus one bit
+plane per bit above 4 (8-bit codes: plain bytes). Resident bits per weight: Q8_0 8.5,
+Q5_0 5.5, Q5_1 6, Q5_K 5.75 (file 5.5), Q6_K 6.625 (file 6.5625): within 5% of the file.
+
+Activations are quantized by rows in blocks of 32, as for the int4 weights' default path, so
+the kernel needs AVX512-VNNI (:func:`native_qblock_available`); where it is missing, or with
+``--int4-activations bf16``, these types keep today's int8-per-channel path (a second
+rounding). :class:`SplitWeight` runs a fused layer whose shards have different types (Q4_K
+q/k with a Q6_K v) as one product per shard, each in its own format.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from llmserve.model.native.ops import a8_supported, cut_padding, kernel_checked
+from llmserve.model.quant.block_codes import MODE_F16, MODE_F16S, MODE_K16, MODE_K32, BlockCodes
+from llmserve.model.quant.native_int8 import quantized_rows_reference
+
+STRIP = 16
+BLOCK = 32
+
+
+def _strips(t: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """(N, a, b) -> (N/16, a, b, 16) after padding N with zero rows."""
+    if n_pad:
+        t = torch.cat([t, t.new_zeros(n_pad, *t.shape[1:])])
+    n = t.shape[0]
+    return t.view(n // STRIP, STRIP, *t.shape[1:]).permute(0, 2, 3, 1).contiguous()
+
+
+def _bit_plane(u: torch.Tensor, bit: int) -> torch.Tensor:
+    """(S*16, K) codes -> (S, K/32, 64) bytes: per octet and nibble half, 8 bytes whose bit
+    4c + j is ``bit`` of the code the kernel's nibble byte 4c + j holds."""
+    n, k = u.shape
+    bits = ((u >> bit) & 1).view(n // STRIP, STRIP, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    bits = bits.reshape(n // STRIP, k // 8, 2, 8, 8).to(torch.int32)
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    packed = (bits * weights).sum(-1).to(torch.uint8)            # (S, K/8, 2, 8)
+    return packed.view(n // STRIP, k // BLOCK, 64)
+
+
+def pack_qblock(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(packed uint8 (N/16, K/32 * 64 * bits), sub (N/16, K/32, 2, 16), sup)`` for the
+    kernel; N is padded to 16 with zero rows (zero scales: their outputs are 0)."""
+    u = codes.codes.to(torch.uint8)
+    n, k = u.shape
+    pad = -n % STRIP
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad, k)])
+    strips = u.shape[0] // STRIP
+    if codes.bits == 8:
+        packed = u.view(strips, STRIP, k // 4, 4).permute(0, 2, 1, 3).reshape(strips, k * STRIP)
+    else:
+        t = (u & 15).view(strips, STRIP, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
+        nib = (t[..., 0] | (t[..., 1] << 4)).reshape(strips, k // BLOCK, 256)
+        planes = [_bit_plane(u, 4 + p) for p in range(codes.bits - 4)]
+        packed = torch.cat([nib, *planes], -1).reshape(strips, -1)
+    sub = _strips(codes.sub, pad)
+    sup = None if codes.sup is None else _strips(codes.sup.float(), pad)
+    return packed.contiguous(), sub, sup
+
+
+def qblock_a8_mm(x: torch.Tensor, packed: torch.Tensor, sub: torch.Tensor,
+                 sup: Optional[torch.Tensor], bits: int, mode: int,
+                 float_out: bool = False) -> torch.Tensor:
+    """``x (M, K) bf16 @ W^T`` with ``x`` quantized to int8 by rows in blocks of 32
+    -> (M, N padded to 16), bf16 or float32 (``float_out``)."""
+    return torch.ops.llmserve_native.qblock_a8_mm(x, packed, sub, sup, bits, mode, float_out)
+
+
+def qblock_reference(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
+    """The kernel's arithmetic in float64 (before its output rounding)."""
+    return quantized_rows_reference(x) @ codes.dequantize().double().T
+
+
+def _self_test() -> bool:
+    """Each (bits, mode) against its float64 reference, so a miscompiled kernel is never used."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 512, generator=gen).bfloat16()
+    for bits, mode in ((8, MODE_F16S), (5, MODE_F16S), (5, MODE_F16), (5, MODE_K32),
+                       (6, MODE_K16)):
+        u = torch.randint(0, 1 << bits, (32, 512), generator=gen, dtype=torch.uint8)
+        if mode == MODE_F16S:
+            sub, sup = (torch.rand(32, 16, 1, generator=gen) * 0.01).half(), None
+        elif mode == MODE_F16:
+            sub = torch.stack([torch.rand(32, 16, generator=gen) * 0.01,
+                               torch.rand(32, 16, generator=gen) - 0.5], -1).half()
+            sup = None
+        else:
+            sub = torch.randint(-60 if mode == MODE_K16 else 0, 64, (32, 16, 2), generator=gen)
+            sub = sub.to(torch.int8 if mode == MODE_K16 else torch.uint8)
+            sup = torch.rand(32, 2, 2 if mode == MODE_K32 else 1, generator=gen) * 0.001
+        codes = BlockCodes("test", u, bits, mode, sub, sup)
+        y = qblock_a8_mm(x, *pack_qblock(codes), bits, mode, float_out=True).double()
+        ref = qblock_reference(x, codes)
+        if not bool(((y - ref).abs() <= 1e-4 * ref.abs() + 1e-3).all()):
+            return False
+    return True
+
+
+def native_qblock_available() -> bool:
+    """The native library is loaded, the CPU has AVX512-VNNI and every block kernel checks
+    out against its reference (once per process)."""
+    return kernel_checked("qblock_a8", _self_test, supported=a8_supported)
+
+
+class QBlockWeight(nn.Module):
+    """A GGUF block-quantized weight (N, K) and its product ``x (..., K) -> (..., N)`` by
+    ``qblock_a8_mm`` (the caller checks :func:`native_qblock_available`)."""
+
+    def __init__(self, codes: BlockCodes) -> None:
+        super().__init__()
+        if codes.mode not in (MODE_F16, MODE_F16S, MODE_K32, MODE_K16):
+            raise ValueError(f"unknown block scale mode {codes.mode}")
+        self.out_features, self.in_features = codes.codes.shape
+        if self.in_features % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
+            raise ValueError(f"{codes.qtype} weight: K={self.in_features} does not fill whole "
+                             "blocks")
+        self.qtype, self.bits, self.mode = codes.qtype, codes.bits, codes.mode
+        packed, sub, sup = pack_qblock(codes)
+        self.register_buffer("qweight", packed, persistent=False)
+        self.register_buffer("sub", sub, persistent=False)
+        self.register_buffer("sup", sup, persistent=False)
+
+    def _product(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        y = qblock_a8_mm(x2.contiguous(), self.qweight, self.sub, self.sup, self.bits,
+                         self.mode, float_out)
+        return cut_padding(y, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x, False)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in float32 (an LM head: near-tied logits are not rounded to bf16)."""
+        return self._product(x, True).reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype} x int8 activations, {self.out_features}x{self.in_features}"
+
+
+class SplitWeight(nn.Module):
+    """A fused layer whose shards keep different formats: one product per part, the outputs
+    side by side (a Q4_K_M file's q/k in Q4_K and v in Q6_K)."""
+
+    def __init__(self, parts: "list[nn.Module]") -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.count = len(parts)
+        self.out_features = sum(int(p.out_features) for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # indexed, not iterated: iterating a ModuleList adds a guard saved graphs cannot keep
+        return torch.cat([self.parts[i](x) for i in range(self.count)], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(self.parts[i].nbytes) for i in range(self.count))
+
+    def extra_repr(self) -> str:
+        return f"{self.count} parts, {self.out_features} outputs"
