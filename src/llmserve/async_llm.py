@@ -159,6 +159,12 @@ class AsyncLLM:
     def get_stats(self) -> EngineStats:
         return self._stats
 
+    def kernel_plan(self) -> dict[str, Any]:
+        """Which kernel runs each operation, decided at start-up (KernelPlanReport); empty
+        while the engine is still being built."""
+        engine = getattr(self, "engine", None)
+        return {} if engine is None else engine.runner.kernel_plan
+
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *,
         priority: "int | str | None" = None, cache_salt: Optional[str] = None,

@@ -121,6 +121,10 @@ class LLMEngine:
             "model_config": {k: v for k, v in sorted(vars(mc).items()) if k != "eos_token_ids"},
             "weights": weights_fp,
             "quantization": {"file": mc.quantization, "runtime": self.runner.quantization},
+            # which kernels compute (not their self-test log: kernel_plan.py)
+            "kernels": {k: v for k, v in self.runner.kernel_plan.items()
+                        if k not in ("native_kernels", "cpu")} | {
+                "cpu_tier": self.runner.kernel_plan["cpu"]["tier"]},
             "tokenizer": self.tokenizer.fingerprint,
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,

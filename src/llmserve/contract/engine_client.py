@@ -137,6 +137,15 @@ class PrefixCacheAdmin(Protocol):
 
 
 @runtime_checkable
+class KernelPlanReport(Protocol):
+    """Engines that say which kernel runs each operation (``GET /v1/status``)."""
+
+    def kernel_plan(self) -> dict[str, Any]:
+        """The plan decided at start-up: plain JSON values (model/executor/kernel_plan.py)."""
+        ...
+
+
+@runtime_checkable
 class LoraAdmin(Protocol):
     """Engines that serve LoRA adapters and load or unload them at run time."""
 

@@ -115,7 +115,7 @@ def create_app(
     register_metrics = getattr(gateway, "register_metrics", None)
     if callable(register_metrics):
         register_metrics(metrics.registry)
-    install_ui_routes(app, StatusSampler(metrics.registry, gateway))
+    install_ui_routes(app, StatusSampler(metrics.registry, gateway, engines=all_engines))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -25,6 +25,7 @@ from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.executor.compile import CompiledDecodeStep
 from llmserve.model.executor.compiled_verify import CompiledVerifyStep
 from llmserve.model.executor.input_buffers import InputBuffers
+from llmserve.model.executor.kernel_plan import format_kernel_plan, kernel_plan
 from llmserve.model.executor.kv_cache import KVCachePool, plan_num_blocks
 from llmserve.model.executor.sharding import RankSharding
 from llmserve.model.layers.compiled_rows import enable_compiled_rows
@@ -132,6 +133,11 @@ class ModelRunner:
                     self.kv.pool_bytes / 2**30, str(self.kv_dtype).replace("torch.", ""),
                     self.kv.bytes_per_token, self.device, self.backend.name,
                     "compiled decode step" if self.compiled else "eager")
+        #: which implementation runs each operation (kernel_plan.py): logged, in /v1/status
+        self.kernel_plan = kernel_plan(self.model, self.backend, str(self.dtype).replace(
+            "torch.", ""), str(self.kv_dtype).replace("torch.", ""))
+        logger.info("%s", format_kernel_plan(
+            self.kernel_plan, "compiled decode step" if self.compiled else "eager"))
 
     def _make_lora(self, cfg: EngineConfig) -> Optional[LoraManager]:
         if cfg.lora.max_loras <= 0:

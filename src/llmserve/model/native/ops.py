@@ -14,7 +14,10 @@ Seven operators, ``torch.ops.llmserve_native``:
   (:mod:`llmserve.model.attention.native_decode`).
 
 All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
-itself) and a C++ compiler: the one ``torch.compile`` needs already. They are built once per
+itself) and a C++ compiler. ``LLMSERVE_CPU_ISA`` forces a lower tier than the CPU has, so
+every tier runs on one machine (:func:`cpu_tier`): ``avx512_vnni`` (everything),
+``avx512_bf16`` (no int8-activation kernels), ``avx2`` or ``none`` (no native kernels:
+PyTorch's). The compiler is the one ``torch.compile`` needs already. The kernels are built once per
 machine, torch build and source text into ``~/.cache/llmserve/kernels``
 (``LLMSERVE_KERNEL_CACHE``) in seconds, loaded with ``torch.ops.load_library``, and given
 fake (shape) functions so compiled graphs call them as external kernels. Where anything of
@@ -43,10 +46,40 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+#: CPU tiers, lowest first, and the flags each needs (cpuinfo names)
+CPU_TIERS: "dict[str, frozenset[str]]" = {
+    "none": frozenset(),
+    "avx2": frozenset({"avx2", "fma"}),
+    "avx512_bf16": REQUIRED_CPU_FLAGS,
+    "avx512_vnni": REQUIRED_CPU_FLAGS | {"avx512_vnni"},
+}
 _FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mfma", "-w"]
 _state: "dict[str, bool]" = {}
 _self_tests: "dict[str, bool]" = {}
+
+
+def cpu_tier() -> str:
+    """The CPU tier the kernels use: the best this CPU has, or ``LLMSERVE_CPU_ISA`` (a tier
+    name, or ``auto``) when that is lower.
+
+    Raises:
+        ValueError: an unknown ``LLMSERVE_CPU_ISA`` value.
+    """
+    flags = cpu_flags()
+    best = [t for t, need in CPU_TIERS.items() if need <= flags][-1]
+    forced = os.environ.get("LLMSERVE_CPU_ISA", "auto").strip().lower().replace("-", "_")
+    if forced == "auto":
+        return best
+    if forced not in CPU_TIERS:
+        raise ValueError(f"LLMSERVE_CPU_ISA must be auto or one of {', '.join(CPU_TIERS)}; "
+                         f"got {forced!r}")
+    tiers = list(CPU_TIERS)
+    if tiers.index(forced) > tiers.index(best):
+        logger.warning("LLMSERVE_CPU_ISA=%s: this CPU has only %s; using %s", forced, best,
+                       best)
+        return best
+    return forced
 
 
 def kernel_cache_dir() -> Path:
@@ -135,6 +168,12 @@ def _load() -> bool:
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
+    tier = cpu_tier()
+    if tier in ("none", "avx2"):
+        logger.info("native CPU kernels need the avx512_bf16 tier; CPU tier %s%s: using "
+                    "PyTorch's kernels", tier,
+                    " (LLMSERVE_CPU_ISA)" if os.environ.get("LLMSERVE_CPU_ISA") else "")
+        return False
     missing = REQUIRED_CPU_FLAGS - cpu_flags()
     if missing:
         logger.info("native CPU kernels need %s: using PyTorch's kernels",
@@ -187,10 +226,16 @@ def kernel_checked(name: str, self_test: Callable[[], bool],
     return _self_tests[name]
 
 
+def self_test_results() -> "dict[str, bool]":
+    """Each native kernel checked so far in this process and whether it passed."""
+    return dict(sorted(_self_tests.items()))
+
+
 def a8_supported() -> bool:
     """The CPU has what the int8-activation kernels (``int4_a8_mm``, ``int8_a8_mm``) need
-    beyond the library's features: AVX512-VNNI (the library's own check)."""
-    return bool(torch.ops.llmserve_native.a8_supported())
+    beyond the library's features: AVX512-VNNI (the library's own check), and the CPU tier
+    (``LLMSERVE_CPU_ISA``) is not forced below it."""
+    return cpu_tier() == "avx512_vnni" and bool(torch.ops.llmserve_native.a8_supported())
 
 
 def cut_padding(y: torch.Tensor, n: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ the newest figures and, over the last ``window`` seconds of samples:
 The window's increases run from the newest sample at or before its start (the reading
 taken when the app was built is the first), so after a gap in polling they cover more
 than the window; ``window_s`` says how many seconds they cover.
-* with a gateway and an admin Bearer key: usage per tenant from the billing ledger.
+* with a gateway and an admin Bearer key: usage per tenant from the billing ledger;
+* ``kernel_plan``: per served model, which kernel runs each operation (decided at start-up).
 
 Besides that first reading, the buffer fills while someone polls (the dashboard polls
 every second); no thread runs in the background. No torch.
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from llmserve.contract.engine_client import KernelPlanReport
 from llmserve.contract.errors import OpenAIError
 from llmserve.contract.gateway_hook import Gateway, HTTPCall
 
@@ -143,9 +145,12 @@ class StatusSampler:
 
     def __init__(self, registry: Any, gateway: Optional[Gateway] = None, min_interval_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 engines: Optional[dict[str, Any]] = None) -> None:
         self.registry = registry
         self.gateway = gateway
+        #: served model name -> engine; those with a kernel plan report it
+        self.engines = engines or {}
         self.min_interval_s = min_interval_s
         self._clock, self._wall = clock, wall_clock
         self._samples: collections.deque[Sample] = collections.deque(
@@ -196,6 +201,8 @@ class StatusSampler:
             "series": self._series(list(self._samples), latest.t - window),
             "gateway": self.gateway is not None,
             "admin": is_admin,
+            "kernel_plan": {name: eng.kernel_plan() for name, eng in self.engines.items()
+                            if isinstance(eng, KernelPlanReport)},
         }
         if is_admin:
             body["tenants"] = await asyncio.to_thread(self._tenant_usage, latest.wall - window)

@@ -1,0 +1,87 @@
+"""The kernel plan: which implementation runs each operation of a loaded model, decided once.
+
+Built by the runner after loading (:func:`kernel_plan`), logged as one block at start-up
+(:func:`format_kernel_plan`), returned by ``GET /v1/status`` (``kernel_plan``, per served model)
+and hashed into the engine fingerprint (its ``kernels`` part: two engines whose products differ
+never share cached prefixes or responses). Every entry is what the layers already hold:
+each linear's packed format (chosen at load), the LM head's and the embedding's, the attention
+backend's decode and prefill paths (chosen at construction), and the native kernels that passed
+their self-tests. ``step`` (compiled or eager) is reported but not hashed: a background compile
+switches it while serving, with identical logits.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+from llmserve.model.layers.embedding import LMHead, VocabEmbedding
+from llmserve.model.layers.linear import Linear
+from llmserve.model.native.ops import cpu_tier, self_test_results
+from llmserve.model.platform import cpu_flags
+
+#: CPU flags worth naming in the plan (the ones a kernel choice depends on)
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16",
+          "amx_int8")
+
+
+def _lm_head(head: LMHead) -> str:
+    if head.linear is not None:
+        return f"linear:{head.linear.qformat or 'dense'}"
+    if head.native_head is not None:
+        return "tied:bf16_mm"
+    if head.packed_id is not None:
+        return "tied:onednn-prepacked"
+    tied = head.tied
+    if tied is not None and tied.qweight is not None:
+        return "tied:int8-a8" if tied.qweight.int8_activations else "tied:int8"
+    return "tied:dense"
+
+
+def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> dict[str, Any]:
+    """The plan of a loaded ``model`` with attention ``backend`` (plain JSON values)."""
+    linears: Counter = Counter()
+    embedding = "dense"
+    head = "none"
+    for module in model.modules():
+        if isinstance(module, Linear):
+            linears[getattr(module, "qformat", None) or "dense"] += 1
+        elif isinstance(module, VocabEmbedding):
+            embedding = "dense" if module.qweight is None else "int8"
+        elif isinstance(module, LMHead):
+            head = _lm_head(module)
+    native_decode = bool(getattr(backend, "native_decode", False))
+    return {
+        "cpu": {"tier": cpu_tier(), "flags": [f for f in _FLAGS if f in cpu_flags()]},
+        "dtype": dtype,
+        "kv_dtype": kv_dtype,
+        "linear": dict(sorted(linears.items())),
+        "lm_head": head,
+        "embedding": embedding,
+        "attention": {
+            "backend": getattr(backend, "name", type(backend).__name__),
+            "decode": "native paged_decode" if native_decode else "torch",
+            "prefill": "native paged_decode (one causal row per token)" if native_decode
+            else "gather + SDPA",
+        },
+        "native_kernels": self_test_results(),
+    }
+
+
+def format_kernel_plan(plan: dict[str, Any], step: str) -> str:
+    """The plan as the start-up log's block (one operation per line)."""
+    linear = ", ".join(f"{k} x{v}" for k, v in plan["linear"].items()) or "none"
+    kernels = plan["native_kernels"]
+    passed = ", ".join(k for k, ok in kernels.items() if ok) or "none"
+    failed = ", ".join(k for k, ok in kernels.items() if not ok)
+    lines = [
+        f"kernel plan (CPU tier {plan['cpu']['tier']}; {plan['dtype']}, KV {plan['kv_dtype']})",
+        f"  linear:     {linear}",
+        f"  lm head:    {plan['lm_head']}; embedding: {plan['embedding']}",
+        f"  attention:  {plan['attention']['backend']}: decode {plan['attention']['decode']}, "
+        f"prefill {plan['attention']['prefill']}",
+        f"  step:       {step}",
+        f"  native:     {passed}" + (f" (failed self-test: {failed})" if failed else ""),
+    ]
+    return "\n".join(lines)

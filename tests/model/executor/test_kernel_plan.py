@@ -1,0 +1,93 @@
+"""The kernel plan (model/executor/kernel_plan.py) and the CPU tier setting: an engine on a
+tiny Q5_0 GGUF logs its plan once and returns it from a live server's ``GET /v1/status``;
+``LLMSERVE_CPU_ISA`` forces lower tiers in fresh processes (the block kernels give way to int8
+per channel, then every native kernel to PyTorch's); an unknown tier is a clear error."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from llmserve.model.native.ops import CPU_TIERS, cpu_tier
+from llmserve.model.platform import cpu_flags
+from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
+
+HAS_VNNI = CPU_TIERS["avx512_vnni"] <= cpu_flags()
+
+_PLAN_SCRIPT = """
+import json, sys
+from llmserve import LLM
+llm = LLM(sys.argv[1], dtype="bfloat16", num_kv_blocks=64, block_size=16, enforce_eager=True)
+print(json.dumps(llm.engine.runner.kernel_plan))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_q5(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan")
+    hf = make_tiny_checkpoint(str(folder / "hf"), num_heads=4, num_kv_heads=2, hidden=64,
+                              seed=3, tie=True)
+    return make_tiny_gguf(hf, str(folder / "tiny.Q5_0.gguf"), quant="Q5_0", with_tokenizer=True)
+
+
+def _plan_in_a_fresh_process(path: str, isa: str) -> dict:
+    env = dict(os.environ, LLMSERVE_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, path], env=env, check=True,
+                         capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_unknown_tier_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="LLMSERVE_CPU_ISA must be auto or one of"):
+        cpu_tier()
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "AVX2")        # case and dashes are forgiven
+    assert cpu_tier() in ("avx2", "none")
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "none")
+    assert cpu_tier() == "none"
+
+
+def test_the_plan_is_logged_and_served_in_status(tiny_q5, caplog):
+    from llmserve.async_llm import AsyncLLM
+    from llmserve.config import EngineConfig
+    from tests.server.conftest import LiveServer
+
+    with caplog.at_level("INFO", logger="llmserve.model.executor.runner"):
+        engine = AsyncLLM.from_config(EngineConfig.from_kwargs(
+            model=tiny_q5, dtype="bfloat16", num_kv_blocks=64, block_size=16,
+            enforce_eager=True, device="cpu"))
+    try:
+        blocks = [r.getMessage() for r in caplog.records if "kernel plan" in r.getMessage()]
+        assert len(blocks) == 1
+        assert "linear:" in blocks[0] and "attention:" in blocks[0]
+        live = LiveServer(engine).start()
+        try:
+            body = httpx.get(live.url("/v1/status"), timeout=30).json()
+        finally:
+            live.stop()
+        plan = body["kernel_plan"][engine.model_name]
+        assert plan == json.loads(json.dumps(engine.kernel_plan()))
+        assert plan["cpu"]["tier"] == cpu_tier()
+        fmts = set(plan["linear"])
+        if HAS_VNNI and plan["native_kernels"].get("qblock_a8"):
+            assert "gguf-q5_0-a8" in fmts
+        assert sum(plan["linear"].values()) == 2 * 4       # 2 layers x (qkv, o, gate_up, down)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="needs a CPU with the avx512_vnni tier to step down")
+def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
+    top = _plan_in_a_fresh_process(tiny_q5, "auto")
+    bf16 = _plan_in_a_fresh_process(tiny_q5, "avx512_bf16")
+    none = _plan_in_a_fresh_process(tiny_q5, "none")
+    assert top["cpu"]["tier"] == "avx512_vnni" and "gguf-q5_0-a8" in top["linear"]
+    assert bf16["cpu"]["tier"] == "avx512_bf16"
+    assert not any(f.endswith("-a8") for f in bf16["linear"])
+    assert "int8" in bf16["linear"] and bf16["native_kernels"].get("qblock_a8") is None
+    assert none["cpu"]["tier"] == "none" and not any(none["native_kernels"].values())
+    assert none["attention"]["decode"] == "torch"
