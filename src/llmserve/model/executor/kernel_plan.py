@@ -28,7 +28,7 @@ _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "a
 
 def _lm_head(head: LMHead) -> str:
     if head.linear is not None:
-        return f"linear:{head.linear.qformat or 'dense'}"
+        return f"linear:{getattr(head.linear, 'qformat', None) or 'dense'}"
     if head.native_head is not None:
         return "tied:bf16_mm"
     if head.packed_id is not None:
