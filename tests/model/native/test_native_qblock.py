@@ -2,7 +2,8 @@
 decoding is exact against gguf's dequantizer, the kernel matches its float64 reference at
 strip and row-tile boundaries, rows never depend on their batch, NaN rows stay in their row,
 resident bytes stay at the file's size, operand errors are clear, the GGUF method keeps the
-types (and splits a mixed fused layer), one compiled graph serves every batch, and an engine
+types (and splits a mixed fused layer) and counts the types it requantizes for the load log,
+one compiled graph serves every batch, and an engine
 on a Q5_0 file generates the float32 dequantized run's greedy tokens."""
 from __future__ import annotations
 
@@ -164,3 +165,11 @@ def test_engine_on_a_q5_0_file_matches_the_float32_run(tmp_path):
     prompt = [list(range(100, 140))]
     assert packed.generate(prompt, params)[0].outputs[0].token_ids == \
         dense.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_types_without_a_packed_kernel_are_counted_for_the_load_log():
+    method = GGUFLinearMethod(int8_activations=native_qblock_available())
+    layer = _fused(method, [gguf_blocks(Q.Q3_K, 32, 256, seed=1),
+                            gguf_blocks(Q.Q3_K, 16, 256, seed=2)])
+    assert layer.qformat == "int8"
+    assert method.requantized == {"Q3_K": 2}
