@@ -88,21 +88,40 @@ def _named_executable(explicit: Optional[str], env: str, what: str) -> Optional[
     return path
 
 
+def _find_llama_cpp_binary(name: str, explicit: Optional[str], env: str,
+                           root: Optional[Path], flag: str) -> Path:
+    """``explicit``, else ``$env``, else ``<build root>/bin/<name>``; raises PeerUnavailable
+    (saying how to build it) when none is there."""
+    named = _named_executable(explicit, env, name)
+    if named is not None:
+        return named
+    candidate = llama_cpp_build_root(root) / "bin" / name
+    if _is_executable(candidate):
+        return candidate
+    raise PeerUnavailable(f"{name} is not built for this CPU ({candidate} is missing); "
+                          "run `make bench-peers-llama` (about 15 min on 2 cores), or pass "
+                          f"{flag} / set {env}")
+
+
 def find_llama_server(explicit: Optional[str] = None, root: Optional[Path] = None) -> Path:
     """The llama-server binary: ``explicit``, else ``$LLMSERVE_LLAMA_SERVER``, else the cache.
 
     Raises:
         PeerUnavailable: none found (or the one named is not executable); says how to build it.
     """
-    named = _named_executable(explicit, LLAMA_SERVER_ENV, "llama-server")
-    if named is not None:
-        return named
-    candidate = llama_cpp_build_root(root) / "bin" / "llama-server"
-    if _is_executable(candidate):
-        return candidate
-    raise PeerUnavailable(f"llama-server is not built for this CPU ({candidate} is missing); "
-                          "run `make bench-peers-llama` (about 15 min on 2 cores), or pass "
-                          f"--llama-server-bin / set {LLAMA_SERVER_ENV}")
+    return _find_llama_cpp_binary("llama-server", explicit, LLAMA_SERVER_ENV, root,
+                                  "--llama-server-bin")
+
+
+def find_llama_quantize(explicit: Optional[str] = None, root: Optional[Path] = None) -> Path:
+    """llama.cpp's ``llama-quantize`` from the same build: ``explicit``, else
+    ``$LLMSERVE_LLAMA_QUANTIZE``, else the cache (tools/peers/make_shape_gguf.py uses it).
+
+    Raises:
+        PeerUnavailable: as :func:`find_llama_server`.
+    """
+    return _find_llama_cpp_binary("llama-quantize", explicit, "LLMSERVE_LLAMA_QUANTIZE", root,
+                                  "--llama-quantize")
 
 
 def vllm_venv_dir(root: Optional[Path] = None) -> Path:

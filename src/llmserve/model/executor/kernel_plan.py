@@ -11,15 +11,14 @@ switches it while serving, with identical logits.
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from torch import nn
 
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
-from llmserve.model.layers.linear import Linear
 from llmserve.model.native.ops import cpu_tier, self_test_results
 from llmserve.model.platform import cpu_flags
+from llmserve.model.quant import linear_formats
 
 #: CPU flags worth naming in the plan (the ones a kernel choice depends on)
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16",
@@ -41,13 +40,10 @@ def _lm_head(head: LMHead) -> str:
 
 def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> dict[str, Any]:
     """The plan of a loaded ``model`` with attention ``backend`` (plain JSON values)."""
-    linears: Counter = Counter()
     embedding = "dense"
     head = "none"
     for module in model.modules():
-        if isinstance(module, Linear):
-            linears[getattr(module, "qformat", None) or "dense"] += 1
-        elif isinstance(module, VocabEmbedding):
+        if isinstance(module, VocabEmbedding):
             embedding = "dense" if module.qweight is None else "int8"
         elif isinstance(module, LMHead):
             head = _lm_head(module)
@@ -56,7 +52,7 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
         "cpu": {"tier": cpu_tier(), "flags": [f for f in _FLAGS if f in cpu_flags()]},
         "dtype": dtype,
         "kv_dtype": kv_dtype,
-        "linear": dict(sorted(linears.items())),
+        "linear": dict(sorted(linear_formats(model).items())),
         "lm_head": head,
         "embedding": embedding,
         "attention": {

@@ -176,15 +176,11 @@ def _load() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     tier = cpu_tier()
-    if tier in ("none", "avx2"):
-        logger.info("native CPU kernels need the avx512_bf16 tier; CPU tier %s%s: using "
-                    "PyTorch's kernels", tier,
-                    " (LLMSERVE_CPU_ISA)" if os.environ.get("LLMSERVE_CPU_ISA") else "")
-        return False
-    missing = REQUIRED_CPU_FLAGS - cpu_flags()
-    if missing:
+    if tier in ("none", "avx2"):   # below the tier whose flags the library needs
+        missing = REQUIRED_CPU_FLAGS - cpu_flags()
         logger.info("native CPU kernels need %s: using PyTorch's kernels",
-                    ", ".join(sorted(missing)))
+                    ", ".join(sorted(missing)) if missing else
+                    f"the avx512_bf16 tier (LLMSERVE_CPU_ISA={tier})")
         return False
     cxx = _compiler()
     if cxx is None:

@@ -97,21 +97,22 @@ def describe_quantization(model: nn.Module) -> str:
     It names the runtime formats, so two engines with the same file but different
     ``--quantization`` (or dtype) never share a fingerprint.
     """
-    formats: Counter = Counter()
     embedding = "none"
     for module in model.modules():
-        if isinstance(module, Linear):
-            fmt = getattr(module, "qformat", None)
-            if fmt is None or fmt == "dense":
-                fmt = "dense"
-            formats[fmt] += 1
-        elif isinstance(module, VocabEmbedding):
+        if isinstance(module, VocabEmbedding):
             q = module.qweight
             embedding = "dense" if q is None else "int8-a8" if q.int8_activations else "int8"
-    linear = ",".join(f"{k}x{v}" for k, v in sorted(formats.items()))
+    linear = ",".join(f"{k}x{v}" for k, v in sorted(linear_formats(model).items()))
     return f"linear:{linear};embedding:{embedding}"
 
 
+def linear_formats(model: nn.Module) -> Counter:
+    """How many linears hold each packed format (``dense`` for unpacked ones)."""
+    return Counter(getattr(m, "qformat", None) or "dense" for m in model.modules()
+                   if isinstance(m, Linear))
+
+
 __all__ = ["QUANTIZATION_CHOICES", "describe_quantization", "int4_int8_activations",
+           "linear_formats",
            "select_linear_method",
            "GGUFLinearMethod", "Int4LinearMethod", "Int8LinearMethod"]

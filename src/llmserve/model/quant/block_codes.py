@@ -28,7 +28,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from llmserve.model.loading.gguf import RawGGUFTensor
-from llmserve.model.quant.gguf_blocks import k_scales
+from llmserve.model.quant.gguf_blocks import f16_at, k_scales, nibbles_32, raw_blocks
 
 Q = GGMLQuantizationType
 MODE_F16, MODE_K32, MODE_K16, MODE_F16S = 0, 1, 2, 3
@@ -79,37 +79,24 @@ class BlockCodes:
                           parts[0].mode, torch.cat([p.sub for p in parts]), sup)
 
 
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The float16 at byte ``start`` of each block, kept float16 (..., nblocks)."""
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
-
-
-def _nibbles_32(qs: np.ndarray) -> np.ndarray:
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
 def _high_bits_32(qh: np.ndarray) -> np.ndarray:
     """(..., 4) bytes (a little-endian u32) -> (..., 32) bits: bit i is element i's bit 4."""
     return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
-def _f16_sub(scale: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    return np.stack([scale.astype(np.float16), mins.astype(np.float16)], axis=-1)
-
-
 def _q8_0(b: np.ndarray) -> tuple:
     u = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    return u, _f16(b, 0)[..., None], None
+    return u, f16_at(b, 0)[..., None], None
 
 
 def _q5_0(b: np.ndarray) -> tuple:
-    u = _nibbles_32(b[..., 6:22]) | (_high_bits_32(b[..., 2:6]) << 4)
-    return u, _f16(b, 0)[..., None], None
+    u = nibbles_32(b[..., 6:22]) | (_high_bits_32(b[..., 2:6]) << 4)
+    return u, f16_at(b, 0)[..., None], None
 
 
 def _q5_1(b: np.ndarray) -> tuple:
-    u = _nibbles_32(b[..., 8:24]) | (_high_bits_32(b[..., 4:8]) << 4)
-    return u, _f16_sub(_f16(b, 0), _f16(b, 2)), None
+    u = nibbles_32(b[..., 8:24]) | (_high_bits_32(b[..., 4:8]) << 4)
+    return u, np.stack([f16_at(b, 0), f16_at(b, 2)], axis=-1), None
 
 
 def _q5_k(b: np.ndarray) -> tuple:
@@ -119,7 +106,7 @@ def _q5_k(b: np.ndarray) -> tuple:
     qs = b[..., 48:176].reshape(*lead, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
     u = (qs & 0x0F).reshape(*lead, 8, 32) | ((qh & 1) << 4)
     sub = np.stack([sc, mn], axis=-1).astype(np.uint8)    # (..., 8, 2)
-    sup = np.stack([_f16(b, 0), _f16(b, 2)], axis=-1).astype(np.float32)
+    sup = np.stack([f16_at(b, 0), f16_at(b, 2)], axis=-1).astype(np.float32)
     return u, sub, sup
 
 
@@ -129,7 +116,7 @@ def _q6_k(b: np.ndarray) -> tuple:
     qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
     u = (ql & 0x0F).reshape(*lead, 8, 32) | ((qh & 3).reshape(*lead, 8, 32) << 4)
     sub = b[..., 192:208].view(np.int8).reshape(*lead, 8, 2)
-    return u, sub, _f16(b, 208).astype(np.float32)[..., None]
+    return u, sub, f16_at(b, 208).astype(np.float32)[..., None]
 
 
 #: type -> (block elements, block bytes, bits, mode, decoder)
@@ -150,10 +137,7 @@ def to_block_codes(raw: RawGGUFTensor) -> Optional[BlockCodes]:
         return None
     block, size, bits, mode, decode = _DECODERS[raw.qtype]
     rows, cols = raw.shape
-    if cols % block or raw.data.shape != (rows, cols // block * size):
-        raise ValueError(f"GGUF tensor {raw.name}: {raw.data.shape} bytes do not hold "
-                         f"{rows}x{cols} {raw.qtype.name} weights")
-    u, sub, sup = decode(raw.data.reshape(rows, cols // block, size))
+    u, sub, sup = decode(raw_blocks(raw, block, size))
     sub = sub.reshape(rows, cols // BLOCK, -1)
     if mode in (MODE_F16, MODE_F16S) and not np.isfinite(sub.astype(np.float32)).all():
         return None

@@ -32,25 +32,42 @@ INT4_EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 _CHUNK_ROWS = 4096   # rows decoded at a time: bounds the float32 temporaries
 
 
+def f16_at(blocks: np.ndarray, start: int) -> np.ndarray:
+    """Little-endian float16 at byte ``start`` of each block, as float16 (..., nblocks)."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
+
+
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """Little-endian float16 at byte ``start`` of each block, as float32 (..., nblocks)."""
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(
-        np.float32)
+    return f16_at(blocks, start).astype(np.float32)
 
 
-def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+def nibbles_32(qs: np.ndarray) -> np.ndarray:
     """(..., 16) bytes -> (..., 32) codes: low nibbles are elements 0..15, high 16..31."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def raw_blocks(raw: RawGGUFTensor, block: int, size: int) -> np.ndarray:
+    """The tensor's bytes as ``(rows, blocks per row, size)`` for blocks of ``block``
+    elements and ``size`` bytes.
+
+    Raises:
+        ValueError: the bytes do not hold the tensor's shape in that type.
+    """
+    rows, cols = raw.shape
+    if cols % block or raw.data.shape != (rows, cols // block * size):
+        raise ValueError(f"GGUF tensor {raw.name}: {raw.data.shape} bytes do not hold "
+                         f"{rows}x{cols} {raw.qtype.name} weights")
+    return raw.data.reshape(rows, cols // block, size)
+
+
 def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _f16(blocks, 0)
-    return _nibbles_32(blocks[..., 2:18]), d, np.zeros_like(d)
+    return nibbles_32(blocks[..., 2:18]), d, np.zeros_like(d)
 
 
 def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return _nibbles_32(blocks[..., 4:20]), d, m + 8.0 * d
+    return nibbles_32(blocks[..., 4:20]), d, m + 8.0 * d
 
 
 def k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,10 +101,7 @@ def to_int4_groups(raw: RawGGUFTensor) -> Optional[Int4Groups]:
         return None
     block, size, decode = _DECODERS[raw.qtype]
     rows, cols = raw.shape
-    if cols % block or raw.data.shape != (rows, cols // block * size):
-        raise ValueError(f"GGUF tensor {raw.name}: {raw.data.shape} bytes do not hold "
-                         f"{rows}x{cols} {raw.qtype.name} weights")
-    codes, scale, zero = decode(raw.data.reshape(rows, cols // block, size))
+    codes, scale, zero = decode(raw_blocks(raw, block, size))
     return Int4Groups(q=torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols))),
                       scale=torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
                       zero=torch.from_numpy(np.ascontiguousarray(zero.reshape(rows, -1))),

@@ -118,7 +118,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
+def as_kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels take it: 2-D, contiguous, bf16."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != KERNEL_DTYPE:
         x2 = x2.to(KERNEL_DTYPE)
@@ -263,7 +264,7 @@ class Int4Weight(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _as_kernel_input(x)
+        x2 = as_kernel_input(x)
         if self.int8_activations:
             y = int4_a8_mm(x2, self.qweight, self.scales_zeros, self.group_size)
         elif self.native:
@@ -280,6 +281,12 @@ class Int4Weight(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def format_name(self) -> str:
+        """``int4-g32`` / ``int4-g32-a8`` (int8 activations: another arithmetic, another
+        fingerprint), as ``describe_quantization`` counts it."""
+        return f"int4-g{self.group_size}" + ("-a8" if self.int8_activations else "")
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.int8_activations else ""
@@ -361,7 +368,7 @@ class Int8Weight(nn.Module):
         return product(x2, self.qweight, self.scale, float_out, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _as_kernel_input(x)
+        x2 = as_kernel_input(x)
         if self.native:
             y = self._native_product(x2, False)
         elif x2.shape[0] == 1 and torch.compiler.is_compiling():
@@ -378,7 +385,7 @@ class Int8Weight(nn.Module):
         near-tied logits are not rounded to bf16's 1/8 step at magnitude ~20 first."""
         if not self.native:
             return self(x).float()
-        y = self._native_product(_as_kernel_input(x), True)
+        y = self._native_product(as_kernel_input(x), True)
         return y.view(*x.shape[:-1], self.out_features)
 
     def with_int8_activations(self) -> "Int8Weight":

@@ -178,10 +178,8 @@ class QuantizedLinearMethod(LinearMethod):
             layer.qweight = Int4Weight(groups, int8_activations=self.int8_activations)
         elif fmt == "qblock":
             layer.qweight = QBlockWeight(BlockCodes.cat([s.values for s in shards]))
-            fmt = f"gguf-{layer.qweight.qtype.lower()}-a8"
         elif fmt == "split":
             layer.qweight = SplitWeight(self._split_parts(shards))
-            fmt = "split:" + "+".join(_part_format(p) for p in layer.qweight.parts)
         elif fmt == "int8":
             layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])))
         elif fmt == "dense":
@@ -191,8 +189,8 @@ class QuantizedLinearMethod(LinearMethod):
         else:
             raise ValueError(f"unknown packed format {fmt!r}")
         layer.qformat = fmt
-        if fmt == "int4":   # "-a8": int8 activations (another arithmetic, another fingerprint)
-            layer.qformat = f"int4-g{g}-a8" if layer.qweight.int8_activations else f"int4-g{g}"
+        if fmt in ("int4", "qblock", "split"):
+            layer.qformat = layer.qweight.format_name
 
     def _split_parts(self, shards: list[Shard]) -> "list[nn.Module]":
         """One weight per run of consecutive shards of one kind (int4 groups, a block type)."""
@@ -270,10 +268,3 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         self.requantized.update(s.kind for s in shards if s.origin != EXACT_INT4)
         return "int8"
 
-
-def _part_format(part: nn.Module) -> str:
-    if isinstance(part, QBlockWeight):
-        return f"gguf-{part.qtype.lower()}-a8"
-    if isinstance(part, Int4Weight):
-        return f"int4-g{part.group_size}" + ("-a8" if part.int8_activations else "")
-    return type(part).__name__

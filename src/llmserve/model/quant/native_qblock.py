@@ -22,6 +22,7 @@ from torch import nn
 
 from llmserve.model.native.ops import a8_supported, cut_padding, kernel_checked
 from llmserve.model.quant.block_codes import MODE_F16, MODE_F16S, MODE_K16, MODE_K32, BlockCodes
+from llmserve.model.quant.kernels import as_kernel_input
 from llmserve.model.quant.native_int8 import quantized_rows_reference
 
 STRIP = 16
@@ -131,10 +132,7 @@ class QBlockWeight(nn.Module):
         self.register_buffer("sup", sup, persistent=False)
 
     def _product(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        y = qblock_a8_mm(x2.contiguous(), self.qweight, self.sub, self.sup, self.bits,
+        y = qblock_a8_mm(as_kernel_input(x), self.qweight, self.sub, self.sup, self.bits,
                          self.mode, float_out)
         return cut_padding(y, self.out_features)
 
@@ -149,6 +147,11 @@ class QBlockWeight(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def format_name(self) -> str:
+        """``gguf-q6_k-a8``: the type kept, with int8 activations."""
+        return f"gguf-{self.qtype.lower()}-a8"
 
     def extra_repr(self) -> str:
         return f"{self.qtype} x int8 activations, {self.out_features}x{self.in_features}"
@@ -171,6 +174,11 @@ class SplitWeight(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(int(self.parts[i].nbytes) for i in range(self.count))
+
+    @property
+    def format_name(self) -> str:
+        """``split:int4-g32-a8+gguf-q6_k-a8``: each part's format, in output order."""
+        return "split:" + "+".join(str(self.parts[i].format_name) for i in range(self.count))
 
     def extra_repr(self) -> str:
         return f"{self.count} parts, {self.out_features} outputs"
