@@ -334,3 +334,22 @@ def test_peer_smoke_completion_checks_the_token_count(tmp_path, tokens, problem)
     assert smoke_completion(spec, tmp_path / "smoke.log", 30, model="m") == problem
     body = json.loads(seen.read_text())
     assert body["model"] == "m" and body["max_tokens"] == 8 and body["temperature"] == 0
+
+
+def test_find_llama_quantize_and_the_shape_tool_without_it(cache, tmp_path, monkeypatch, caplog):
+    """``llama-quantize`` is found where the build puts it (or named); the shape-model tool
+    exits 2 with the reason when it is missing, and refuses an unknown model by name."""
+    from tools.peers import make_shape_gguf
+
+    monkeypatch.delenv("LLMSERVE_LLAMA_QUANTIZE", raising=False)
+    with pytest.raises(PeerUnavailable, match="llama-quantize is not built"):
+        peers.find_llama_quantize()
+    assert make_shape_gguf.main(["--out", str(tmp_path / "out")]) == 2
+    assert "llama-quantize is not built" in caplog.text
+    built = write_fake_executable(peers.llama_cpp_build_root() / "bin" / "llama-quantize",
+                                  tmp_path / "rec.json")
+    assert peers.find_llama_quantize() == built
+    with pytest.raises(SystemExit) as exit_info:
+        make_shape_gguf.main(["--model", "qwen2.5-0.5b,gpt-9", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert set(make_shape_gguf.SHAPE_CONFIGS) == {"qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b"}
