@@ -7,7 +7,8 @@ A tiny random Llama as a Q4_1 GGUF, served as the default model is: packed int4 
 compiled many-row functions on. Each sampled row's logits are captured from the runner
 (``LogitsCapture.SAMPLED``, which keeps the compiled path) and compared with
 ``torch.equal``: any arithmetic that depends on the row count, on eager vs compiled steps or
-on chunking shows here even where it flips no greedy token. With
+on chunking shows here even where it flips no greedy token. Q8_0 and Q5_1 files (the GGUF
+block kernel, issue 29) are checked alone, in batches and chunked the same way. With
 ``LLMSERVE_FAST_ROUNDING=1`` (compiled code rounding once per fused chain) this test fails.
 """
 from __future__ import annotations
@@ -152,3 +153,29 @@ def test_draft_model_speculation_gives_the_logits_of_plain_decoding(gguf_path):
                 "with a draft model, alone")
     assert_same(alone, run(spec, TARGETS, long), "with a draft model, batched")
     assert spec.engine.get_stats().spec_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q5_1"])
+def test_block_quantized_files_give_the_same_tokens_alone_and_in_batches(tmp_path, quant):
+    """A GGUF whose layers are Q8_0 / Q5_1 blocks (qblock_a8_mm where the CPU has VNNI, int8
+    per channel elsewhere), compiled decode graphs on: each prompt's greedy tokens and
+    sampled logits are the same alone as inside batches of 4, 8 and 16 requests and with its
+    prompt chunked."""
+    from llmserve.model.quant.native_qblock import native_qblock_available
+
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=128, intermediate=256,
+                              num_heads=4, num_kv_heads=2, seed=13)
+    path = make_tiny_gguf(hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant,
+                          with_tokenizer=True)
+    llm = engine(path, enable_prefix_caching=False)
+    assert llm.engine.runner.compiled is not None
+    if native_qblock_available():
+        assert f"gguf-{quant.lower()}-a8" in llm.engine.runner.quantization
+    alone = [run(llm, [p], GREEDY) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    for extra in (0, 4, 12):
+        got = run(llm, TARGETS + FILLERS[:extra], GREEDY)
+        assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: batch of {4 + extra}")
+    chunked = engine(path, enable_prefix_caching=False, max_num_batched_tokens=16)
+    got = run(chunked, TARGETS + FILLERS[:4], GREEDY)
+    assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: chunks of 16 tokens")
