@@ -145,14 +145,15 @@ def test_raw_gguf_iteration_keeps_dense_paths(tiny_q4):
 def test_prequantized_hf_checkpoint_error_names_what_is_supported(tiny_hf, tmp_path):
     import shutil
 
-    path = str(tmp_path / "awq")
+    path = str(tmp_path / "bnb")
     shutil.copytree(tiny_hf, path)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match=r"awq.*--quantization int8\|int4.*GGUF"):
+    with pytest.raises(ValueError, match=r"bitsandbytes.*GPTQ and AWQ.*--quantization "
+                                         r"int8\|int4.*GGUF"):
         load_model_config(path)
 
 

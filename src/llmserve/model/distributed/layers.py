@@ -57,11 +57,12 @@ def check_shardable(cfg: ModelConfig, world_size: int, method: LinearMethod) -> 
     if cfg.intermediate_size % n:
         raise ValueError(f"--tensor-parallel-size {n} must divide intermediate_size "
                          f"({cfg.intermediate_size})")
-    from llmserve.model.quant.methods import GGUFLinearMethod
+    from llmserve.model.quant.methods import GGUFLinearMethod, Int4CheckpointLinearMethod
 
-    if isinstance(method, GGUFLinearMethod):
-        raise ValueError("tensor parallelism cannot split GGUF-packed weights (--quantization "
-                         "auto on a quantized GGUF file); use --quantization none, int8 or int4")
+    if isinstance(method, (GGUFLinearMethod, Int4CheckpointLinearMethod)):
+        raise ValueError("tensor parallelism cannot split GGUF-, GPTQ- or AWQ-packed weights "
+                         "(--quantization auto on a quantized file); use --quantization none, "
+                         "int8 or int4")
     group = getattr(method, "group_size", None)
     if group:
         for name, width in (("o_proj", h * cfg.head_dim), ("down_proj", cfg.intermediate_size)):

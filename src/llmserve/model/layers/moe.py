@@ -25,15 +25,19 @@ from torch import nn
 
 from llmserve.model.layers.linear import DenseLinearMethod, Linear
 from llmserve.model.loading.gguf import RawGGUFTensor
+from llmserve.model.loading.int4_checkpoint import PackedInt4Tensor
 
 
 class RouterLinearMethod(DenseLinearMethod):
     """Dense weights in the model dtype; a GGUF file's quantized router is dequantized."""
 
-    def load_weight(self, layer: Linear, name: str, tensor: "torch.Tensor | RawGGUFTensor",
+    def load_weight(self, layer: Linear, name: str,
+                    tensor: "torch.Tensor | RawGGUFTensor | PackedInt4Tensor",
                     shard: Optional[int]) -> None:
         if isinstance(tensor, RawGGUFTensor):
             tensor = torch.from_numpy(tensor.dequantize())
+        elif isinstance(tensor, PackedInt4Tensor):   # a GPTQ/AWQ router: dense too
+            tensor = tensor.dequantize()
         super().load_weight(layer, name, tensor, shard)
 
 

@@ -25,6 +25,7 @@ from llmserve.model.config import (
     ModelConfig,
     interleaved_layer_types,
 )
+from llmserve.model.loading.int4_checkpoint import Int4CheckpointScheme, parse_int4_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -177,18 +178,19 @@ def _gemma_fields(cfg: dict, arch: str) -> dict[str, Any]:
     return dict(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)), **caps)
 
 
+def int4_scheme_of(cfg: dict, config_path: str) -> "Int4CheckpointScheme | None":
+    """The GPTQ/AWQ scheme of a config.json's ``quantization_config`` (None: a float
+    checkpoint). Raises ValueError for any other pre-quantized format."""
+    qc = cfg.get("quantization_config")
+    return parse_int4_scheme(qc, repr(config_path)) if qc else None
+
+
 def hf_model_config(folder: str) -> ModelConfig:
     """Read an HF folder's config.json (and generation_config.json for extra EOS ids)."""
     config_path = os.path.join(folder, "config.json")
     cfg = read_json(config_path)
     _, arch = hf_architecture(cfg, config_path)
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "unknown")
-        raise ValueError(
-            f"{config_path!r}: pre-quantized HF checkpoints ({method}) are not supported; "
-            "load the float checkpoint and quantize at load with --quantization int8|int4 "
-            "(int8 per channel, int4 groups of 32/64/128/256), or use a GGUF file (Q4_0, "
-            "Q4_1, Q4_K kept as int4; Q5_*, Q6_K, Q8_0 as int8; F16/BF16/F32 dense)")
+    scheme = int4_scheme_of(cfg, config_path)
     if cfg.get("mlp_bias"):
         raise ValueError(f"{config_path!r}: mlp_bias=true is not supported")
     try:
@@ -229,7 +231,7 @@ def hf_model_config(folder: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         source_format="hf",
-        quantization=None,
+        quantization=scheme.name if scheme else None,
         sliding_window=window,
         layer_types=layer_types,
         local_rope_theta=_local_rope_theta(cfg, arch),

@@ -30,8 +30,13 @@ from safetensors import safe_open
 from llmserve.model.config import ModelConfig
 from llmserve.model.loading.gguf import RawGGUFTensor, iter_gguf_weights, read_gguf
 from llmserve.model.loading.gguf_config import gguf_model_config
-from llmserve.model.loading.hf_config import hf_model_config
+from llmserve.model.loading.hf_config import hf_model_config, int4_scheme_of
 from llmserve.model.loading.hf_config import read_json as _read_json
+from llmserve.model.loading.int4_checkpoint import (
+    PackedInt4Tensor,
+    group_packed_tensors,
+    is_packed_part,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +120,16 @@ def _safetensors_files(folder: str) -> list[str]:
     return paths
 
 
-def _iter_safetensors(paths: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
+def _iter_safetensors(paths: Iterable[str], packed_int4: bool = False
+                      ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Each tensor of the files, in order; ``packed_int4``: a GPTQ/AWQ folder, whose
+    qweight/qzeros/g_idx parts are int32."""
     for path in paths:
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 st_dtype = handle.get_slice(name).get_dtype()
-                if st_dtype not in _SAFETENSORS_FLOAT_DTYPES:
+                if st_dtype not in _SAFETENSORS_FLOAT_DTYPES and not (
+                        packed_int4 and st_dtype == "I32" and is_packed_part(name)):
                     raise ValueError(
                         f"tensor {name!r} in {os.path.basename(path)!r} has unsupported dtype {st_dtype}; "
                         f"supported: {sorted(_SAFETENSORS_FLOAT_DTYPES)}"
@@ -150,12 +159,16 @@ class CheckpointSource:
     _tensors: Callable[[bool], Iterable[tuple[str, Any]]]   # raw_gguf -> (name, value)
 
     def iter_weights(self, raw_gguf: bool = False
-                     ) -> Iterator[tuple[str, "torch.Tensor | RawGGUFTensor"]]:
-        """Yield ``(hf_name, tensor)`` in the checkpoint's dtype (GGUF: dequantized float32),
-        checking names and shapes; raises ValueError for a missing or unexpected tensor.
+                     ) -> Iterator[tuple[str, "torch.Tensor | RawGGUFTensor | PackedInt4Tensor"]]:
+        """Yield ``(hf_name, tensor)`` in the checkpoint's dtype (GGUF, GPTQ, AWQ: dequantized
+        float32), checking names and shapes; raises ValueError for a missing or unexpected
+        tensor.
 
         ``raw_gguf``: a GGUF file's block-quantized matrices come as :class:`RawGGUFTensor`
-        (their bytes, rows in HF order) for a quantized linear method; no effect on HF folders.
+        (their bytes, rows in HF order), a GPTQ/AWQ folder's linears as
+        :class:`PackedInt4Tensor`, for a quantized linear method; no effect on float folders.
+        GPTQ exports write a zero bias for every linear: one the model has no place for is
+        skipped when it is all zeros.
         """
         expected = expected_weight_shapes(self.config)
         seen: set[str] = set()
@@ -165,9 +178,12 @@ class CheckpointSource:
                     name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             if name not in expected:
-                unexpected.append(name)
+                if not (self.config.quantization and name.endswith(".bias")
+                        and isinstance(value, torch.Tensor) and not bool(value.any())):
+                    unexpected.append(name)
                 continue
-            tensor = value if isinstance(value, (torch.Tensor, RawGGUFTensor)) else \
+            tensor = value if isinstance(value, (torch.Tensor, RawGGUFTensor,
+                                                 PackedInt4Tensor)) else \
                 torch.from_numpy(value)
             if tuple(tensor.shape) != expected[name]:
                 raise ValueError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -196,7 +212,12 @@ def open_checkpoint(path: str) -> CheckpointSource:
         gen_path = os.path.join(path, "generation_config.json")
         generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
         files = [os.path.join(path, "config.json")] + st_files
-        tensors = lambda raw: _iter_safetensors(st_files)  # noqa: E731
+        scheme = int4_scheme_of(_read_json(files[0]), files[0])
+        if scheme is None:
+            tensors = lambda raw: _iter_safetensors(st_files)  # noqa: E731
+        else:
+            tensors = lambda raw: group_packed_tensors(  # noqa: E731
+                _iter_safetensors(st_files, packed_int4=True), scheme, raw)
     else:
         raise FileNotFoundError(f"model path {path!r} is neither an HF model folder nor a .gguf file")
     fingerprint = fingerprint_files(files, extra=f"quantization={config.quantization}\n")

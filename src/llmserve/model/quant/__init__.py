@@ -3,9 +3,10 @@
 ``--quantization`` (EngineConfig.quantization):
 
     none  dense weights in the model dtype (a GGUF file is dequantized at load)
-    auto  a GGUF file keeps its quantized weights packed (GGUFLinearMethod) when the model
-          runs bf16 activations on the CPU (the kernels' arithmetic); otherwise, like none.
-          HF float checkpoints stay dense.
+    auto  a GGUF file keeps its quantized weights packed (GGUFLinearMethod), and a GPTQ/AWQ
+          folder its int4 linears in their own groups (Int4CheckpointLinearMethod), when the
+          model runs bf16 activations on the CPU (the kernels' arithmetic); otherwise, like
+          none (dequantized). HF float checkpoints stay dense.
     int8  every linear int8 per output channel (round-to-nearest at load)
     int4  every linear int4 in groups of ``quantization_group_size`` (32/64/128/256),
           round-to-nearest at load; a GGUF file's 4-bit blocks of 32 are kept exactly
@@ -32,7 +33,12 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.layers.embedding import VocabEmbedding
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
 from llmserve.model.quant.kernels import kernels_available
-from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
+from llmserve.model.quant.methods import (
+    GGUFLinearMethod,
+    Int4CheckpointLinearMethod,
+    Int4LinearMethod,
+    Int8LinearMethod,
+)
 from llmserve.model.quant.native_int4 import native_int4_a8_available
 
 logger = logging.getLogger(__name__)
@@ -75,9 +81,12 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
         return DenseLinearMethod()
     usable = kernels_available(device)
     if quantization == "auto":
-        packed_file = model.source_format == "gguf" and model.quantization not in _FLOAT_FILE_TYPES
+        gguf = model.source_format == "gguf" and model.quantization not in _FLOAT_FILE_TYPES
+        int4_folder = model.source_format == "hf" and model.quantization is not None
+        packed_file = gguf or int4_folder
         if packed_file and usable and dtype == torch.bfloat16:
-            return GGUFLinearMethod(int4_int8_activations(int4_activations, device))
+            a8 = int4_int8_activations(int4_activations, device)
+            return GGUFLinearMethod(a8) if gguf else Int4CheckpointLinearMethod(a8)
         if packed_file:
             logger.info("quantization auto: %s weights dequantized to %s (packed kernels need "
                         "bf16 activations on the CPU)", model.quantization,
@@ -115,4 +124,5 @@ def linear_formats(model: nn.Module) -> Counter:
 __all__ = ["QUANTIZATION_CHOICES", "describe_quantization", "int4_int8_activations",
            "linear_formats",
            "select_linear_method",
-           "GGUFLinearMethod", "Int4LinearMethod", "Int8LinearMethod"]
+           "GGUFLinearMethod", "Int4CheckpointLinearMethod", "Int4LinearMethod",
+           "Int8LinearMethod"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,28 +64,47 @@ class Int4Groups:
     """Affine 4-bit codes by groups of ``group_size`` along K: ``w = (q - 8) * scale + zero``.
 
     ``q`` is uint8 (rows, K) holding 0..15; ``scale`` and ``zero`` are float32 (rows, K // g).
+    ``perm`` (int64 (K,), optional): column ``j`` of ``q`` belongs to input ``perm[j]`` (a
+    GPTQ act-order checkpoint, its columns sorted by group); the product gathers ``x[:, perm]``.
     """
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
+    perm: Optional[torch.Tensor] = None
 
     def dequantize(self) -> torch.Tensor:
-        """Float32 weights (rows, K) as the codes and float32 scales define them."""
+        """Float32 weights (rows, K) as the codes and float32 scales define them, in input
+        order."""
         rows, k = self.q.shape
         g = self.group_size
         q = self.q.view(rows, k // g, g).float() - 8.0
-        return (q * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).view(rows, k)
+        w = (q * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).view(rows, k)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    @staticmethod
+    def fusable(parts: "list[Int4Groups]") -> bool:
+        """The shards can share one product: one group size and one input order."""
+        first = parts[0]
+        return all(p.group_size == first.group_size and (
+            p.perm is None and first.perm is None
+            or p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm))
+            for p in parts)
 
     @staticmethod
     def cat(parts: "list[Int4Groups]") -> "Int4Groups":
-        """Stack shards along the output rows (all must share the group size)."""
-        sizes = {p.group_size for p in parts}
-        if len(sizes) != 1:
-            raise ValueError(f"cannot fuse int4 shards with group sizes {sorted(sizes)}")
+        """Stack shards along the output rows (all must share the group size and the input
+        order: :meth:`fusable`)."""
+        if not Int4Groups.fusable(parts):
+            raise ValueError("cannot fuse int4 shards with group sizes "
+                             f"{sorted({p.group_size for p in parts})} or different input orders")
         return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]), parts[0].group_size)
+                          torch.cat([p.zero for p in parts]), parts[0].group_size, parts[0].perm)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Groups:
@@ -214,6 +234,8 @@ class Int4Weight(nn.Module):
         self.out_features, self.in_features = n, k
         self.group_size = groups.group_size
         q, scale, zero = groups.q, groups.scale, groups.zero
+        #: act-order input order (GPTQ desc_act): x's columns are gathered by it first
+        self.register_buffer("perm", groups.perm, persistent=False)
         pad = -n % _N_ALIGN
         if pad:   # zero rows: q = 8, scale = 0, zero = 0 -> w = 0
             q = torch.cat([q, q.new_full((pad, k), 8)])
@@ -265,6 +287,8 @@ class Int4Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = as_kernel_input(x)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         if self.int8_activations:
             y = int4_a8_mm(x2, self.qweight, self.scales_zeros, self.group_size)
         elif self.native:
@@ -290,7 +314,8 @@ class Int4Weight(nn.Module):
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.int8_activations else ""
-        return f"int4 g{self.group_size}{a8}, {self.out_features}x{self.in_features}"
+        order = ", act-order" if self.perm is not None else ""
+        return f"int4 g{self.group_size}{a8}{order}, {self.out_features}x{self.in_features}"
 
 
 #: From this many rows of ``x`` on, int8 products dequantize the weight tile by tile to bf16

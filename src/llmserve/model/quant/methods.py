@@ -1,13 +1,14 @@
-"""Quantized linear methods: int4 (group-wise), int8 (per channel), and GGUF-as-stored.
+"""Quantized linear methods: int4 (group-wise), int8 (per channel), GGUF- and GPTQ/AWQ-as-stored.
 
 They are siblings of :class:`~llmserve.model.layers.linear.DenseLinearMethod`; a model file
 builds the same ``Linear`` whatever the method. Loading is staged per layer: each checkpoint
-tensor (a float tensor, or a :class:`RawGGUFTensor` of a GGUF file) is decoded into a
+tensor (a float tensor, a :class:`RawGGUFTensor` of a GGUF file, or a GPTQ/AWQ linear's
+:class:`PackedInt4Tensor`) is decoded into a
 *shard* (exact int4 groups, or float32 values), and as soon as every shard of a fused layer
 (q/k/v, gate/up) is in, the layer is packed once and the staging freed::
 
     checkpoint tensor --decode--> shard --(all shards in)--> choose format --> pack
-       Q4_0/Q4_1/Q4_K               Int4Groups (exact)            int4 | int8 | dense
+       Q4_0/Q4_1/Q4_K, GPTQ/AWQ     Int4Groups (exact)            int4 | int8 | dense
        other GGUF types, HF floats  float32 values
 
 Which format a layer gets:
@@ -21,6 +22,8 @@ Which format a layer gets:
                           mix (Q4_K q/k + Q6_K v) is split into one product per format;
                           otherwise (bf16 activations, no VNNI, Q2_K/Q3_K/IQ*) int8 per
                           channel, a second rounding (the load log counts such layers)
+    Int4CheckpointLinearMethod  what a GPTQ/AWQ folder holds: int4 in the checkpoint's own
+                          groups and act-order (gptq_awq.py), float linears dense
 
 The packed weight is a submodule ``layer.qweight`` (:class:`Int4Weight` / :class:`Int8Weight`
 / :class:`QBlockWeight` / :class:`SplitWeight`); dense layers fall back to
@@ -39,8 +42,10 @@ from torch import nn
 
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
 from llmserve.model.loading.gguf import RawGGUFTensor
+from llmserve.model.loading.int4_checkpoint import PackedInt4Tensor
 from llmserve.model.quant.block_codes import BlockCodes, to_block_codes
 from llmserve.model.quant.gguf_blocks import dequantize_raw, to_int4_groups
+from llmserve.model.quant.gptq_awq import checkpoint_int4_groups
 from llmserve.model.quant.kernels import (
     INT4_GROUP_SIZES,
     Int4Groups,
@@ -82,8 +87,16 @@ class Shard:
         return self.qtype or self.origin
 
 
-def decode_shard(tensor: "torch.Tensor | RawGGUFTensor") -> Shard:
+CheckpointTensor = Union[torch.Tensor, RawGGUFTensor, PackedInt4Tensor]
+
+
+def decode_shard(tensor: CheckpointTensor) -> Shard:
     """Turn a checkpoint tensor into a :class:`Shard` without a dense detour where possible."""
+    if isinstance(tensor, PackedInt4Tensor):
+        groups = checkpoint_int4_groups(tensor)
+        if groups is not None:
+            return Shard(EXACT_INT4, groups)
+        return Shard(OTHER_QUANT, tensor.dequantize(), tensor.scheme.method)
     if isinstance(tensor, RawGGUFTensor):
         groups = to_int4_groups(tensor)
         if groups is not None:
@@ -98,8 +111,11 @@ def decode_shard(tensor: "torch.Tensor | RawGGUFTensor") -> Shard:
 class QuantizedLinearMethod(LinearMethod):
     """Shared staging and dispatch; subclasses choose the packed format of a full layer."""
 
-    #: The loader should hand this method GGUF matrices as raw blocks.
+    #: The loader should hand this method GGUF matrices as raw blocks (and GPTQ/AWQ
+    #: linears as :class:`PackedInt4Tensor`).
     wants_raw_gguf = True
+    #: exact int4 shards keep their own group size (a checkpoint's), not int4_group_size()
+    keeps_stored_groups = False
 
     def __init__(self, int8_activations: bool = False) -> None:
         self.dense = DenseLinearMethod()
@@ -132,7 +148,7 @@ class QuantizedLinearMethod(LinearMethod):
         layer.dtype = dtype
         layer.staged = {}
 
-    def load_weight(self, layer: Linear, name: str, tensor: "torch.Tensor | RawGGUFTensor",
+    def load_weight(self, layer: Linear, name: str, tensor: CheckpointTensor,
                     shard: Optional[int]) -> None:
         if name == "bias":
             self.dense.load_weight(layer, name, tensor, shard)
@@ -159,6 +175,11 @@ class QuantizedLinearMethod(LinearMethod):
         layer.staged = {}
         fmt = self.choose_format(shards)
         g = self.int4_group_size()
+        stored = [s.values for s in shards if isinstance(s.values, Int4Groups)]
+        if fmt == "int4" and self.keeps_stored_groups and len(stored) == len(shards):
+            if not Int4Groups.fusable(stored):   # act-order shards in different input orders
+                fmt = "split"
+            g = stored[0].group_size
         if fmt == "int4" and layer.input_size % g:
             fits = [s for s in INT4_GROUP_SIZES if s < g and layer.input_size % s == 0]
             if fits:
@@ -171,8 +192,8 @@ class QuantizedLinearMethod(LinearMethod):
                                layer.output_sizes, layer.input_size)
                 fmt = "dense"
         if fmt == "int4":
-            exact = all(isinstance(s.values, Int4Groups) and s.values.group_size == g
-                        for s in shards)
+            exact = len(stored) == len(shards) and stored[0].group_size == g \
+                and Int4Groups.fusable(stored)
             groups = Int4Groups.cat([s.values for s in shards]) if exact else \
                 quantize_int4(torch.cat([s.as_float() for s in shards]), g)
             layer.qweight = Int4Weight(groups, int8_activations=self.int8_activations)
@@ -193,10 +214,13 @@ class QuantizedLinearMethod(LinearMethod):
             layer.qformat = layer.qweight.format_name
 
     def _split_parts(self, shards: list[Shard]) -> "list[nn.Module]":
-        """One weight per run of consecutive shards of one kind (int4 groups, a block type)."""
+        """One weight per run of consecutive shards of one kind (int4 groups of one size and
+        input order, a block type)."""
         runs: list[list[Shard]] = []
         for s in shards:
-            if runs and runs[-1][0].kind == s.kind:
+            if runs and runs[-1][0].kind == s.kind and (
+                    not isinstance(s.values, Int4Groups)
+                    or Int4Groups.fusable([runs[-1][0].values, s.values])):
                 runs[-1].append(s)
             else:
                 runs.append([s])
@@ -268,3 +292,20 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         self.requantized.update(s.kind for s in shards if s.origin != EXACT_INT4)
         return "int8"
 
+
+
+class Int4CheckpointLinearMethod(QuantizedLinearMethod):
+    """Keep what a GPTQ/AWQ folder holds: its int4 linears in their own groups (act-order
+    included; fused shards in different input orders become one product each), its float
+    linears (``modules_to_not_convert``, an unquantized layer) dense."""
+
+    keeps_stored_groups = True
+
+    def choose_format(self, shards: list[Shard]) -> str:
+        origins = {s.origin for s in shards}
+        if origins == {EXACT_INT4}:
+            return "int4"
+        if OTHER_QUANT in origins:
+            logger.warning("a %s linear's groups fit no int4 kernel group size: kept dense",
+                           "/".join(sorted({s.kind for s in shards})))
+        return "dense"
