@@ -36,7 +36,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512_BF16 or AMX-BF16: bf16 matrix products run natively."""
+    """AVX512_BF16 or AMX-BF16: bf16 matrix products run natively (false where
+    ``LLMSERVE_CPU_ISA`` forces a tier below bf16, so a forced ``avx2`` run resolves
+    ``--dtype auto`` as an AVX2-only CPU does)."""
+    forced = os.environ.get("LLMSERVE_CPU_ISA", "auto").strip().lower().replace("-", "_")
+    if forced in ("avx2", "none"):
+        return False
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 

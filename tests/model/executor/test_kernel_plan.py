@@ -1,7 +1,8 @@
 """The kernel plan (model/executor/kernel_plan.py) and the CPU tier setting: an engine on a
 tiny Q5_0 GGUF logs its plan once and returns it from a live server's ``GET /v1/status``;
 ``LLMSERVE_CPU_ISA`` forces lower tiers in fresh processes (the block kernels give way to int8
-per channel, then every native kernel to PyTorch's); an unknown tier is a clear error."""
+per channel, the avx2 tier runs its own int8-activation library, then every native kernel gives
+way to PyTorch's); an unknown tier is a clear error."""
 from __future__ import annotations
 
 import json
@@ -84,10 +85,19 @@ def test_the_plan_is_logged_and_served_in_status(tiny_q5, caplog):
 def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
     top = _plan_in_a_fresh_process(tiny_q5, "auto")
     bf16 = _plan_in_a_fresh_process(tiny_q5, "avx512_bf16")
+    avx2 = _plan_in_a_fresh_process(tiny_q5, "avx2")
     none = _plan_in_a_fresh_process(tiny_q5, "none")
     assert top["cpu"]["tier"] == "avx512_vnni" and "gguf-q5_0-a8" in top["linear"]
     assert bf16["cpu"]["tier"] == "avx512_bf16"
     assert not any(f.endswith("-a8") for f in bf16["linear"])
     assert "int8" in bf16["linear"] and bf16["native_kernels"].get("qblock_a8") is None
+    # avx2: the avx2 library's int8-activation products (Q5_0 as int8 rows x int8), the
+    # AVX-512 library's kernels gone, attention on PyTorch's
+    assert avx2["cpu"]["tier"] == "avx2" and avx2["cpu"]["a8_library"] == "llmserve_avx2"
+    assert set(avx2["linear"]) == {"int8-a8"}, avx2["linear"]
+    assert avx2["native_kernels"].get("int8_a8") is True
+    assert not any(avx2["native_kernels"].get(k) for k in ("int8", "paged_decode", "qblock_a8"))
+    assert avx2["attention"]["decode"] == "torch"
     assert none["cpu"]["tier"] == "none" and not any(none["native_kernels"].values())
+    assert none["cpu"]["a8_library"] is None
     assert none["attention"]["decode"] == "torch"

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
-from llmserve.model.native.ops import cpu_tier, self_test_results
+from llmserve.model.native.ops import a8_library, cpu_tier, self_test_results
 from llmserve.model.platform import cpu_flags
 from llmserve.model.quant import linear_formats
 
@@ -49,7 +49,9 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
             head = _lm_head(module)
     native_decode = bool(getattr(backend, "native_decode", False))
     return {
-        "cpu": {"tier": cpu_tier(), "flags": [f for f in _FLAGS if f in cpu_flags()]},
+        "cpu": {"tier": cpu_tier(), "flags": [f for f in _FLAGS if f in cpu_flags()],
+                # which library's int4_a8_mm / int8_a8_mm the -a8 formats run
+                "a8_library": a8_library()},
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "linear": dict(sorted(linear_formats(model).items())),
@@ -78,6 +80,8 @@ def format_kernel_plan(plan: dict[str, Any], step: str) -> str:
         f"  attention:  {plan['attention']['backend']}: decode {plan['attention']['decode']}, "
         f"prefill {plan['attention']['prefill']}",
         f"  step:       {step}",
-        f"  native:     {passed}" + (f" (failed self-test: {failed})" if failed else ""),
+        f"  native:     {passed}" + (f" (failed self-test: {failed})" if failed else "")
+        + (f"; int8-activation products from {plan['cpu']['a8_library']}"
+           if plan["cpu"].get("a8_library") else ""),
     ]
     return "\n".join(lines)

@@ -14,10 +14,14 @@ Seven operators, ``torch.ops.llmserve_native``:
   (:mod:`llmserve.model.attention.native_decode`).
 
 All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
-itself) and a C++ compiler. ``LLMSERVE_CPU_ISA`` forces a lower tier than the CPU has, so
-every tier runs on one machine (:func:`cpu_tier`): ``avx512_vnni`` (everything),
-``avx512_bf16`` (no int8-activation kernels), ``avx2`` or ``none`` (no native kernels:
-PyTorch's). The compiler is the one ``torch.compile`` needs already. The kernels are built once per
+itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csrc/avx2/``,
+built with nothing beyond ``-mavx2 -mfma -mf16c``), serves the ``avx2`` tier: ``int4_a8_mm``
+and ``int8_a8_mm`` on the same packed layouts with the same results (vpmaddubsw/vpmaddwd in
+place of vpdpbusd; :func:`a8_ops` picks the namespace once). ``LLMSERVE_CPU_ISA`` forces a
+lower tier than the CPU has, so every tier runs on one machine (:func:`cpu_tier`):
+``avx512_vnni`` (everything), ``avx512_bf16`` (no int8-activation kernels), ``avx2`` (the
+avx2 library's int8-activation products; PyTorch's for the rest) or ``none`` (no native
+kernels: PyTorch's). The compiler is the one ``torch.compile`` needs already. The kernels are built once per
 machine, torch build and source text into ``~/.cache/llmserve/kernels``
 (``LLMSERVE_KERNEL_CACHE``) in seconds, loaded with ``torch.ops.load_library``, and given
 fake (shape) functions so compiled graphs call them as external kernels. Where anything of
@@ -34,7 +38,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,22 +49,29 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
+#: the avx2 tier's library (``llmserve_avx2``): its own sources, and the operand checks
+AVX2_SOURCES = sorted((CSRC / "avx2").glob("*.cpp"))
+AVX2_HEADERS = sorted((CSRC / "avx2").glob("*.h")) + [CSRC / "int4_operands.h",
+                                                      CSRC / "int8_operands.h"]
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 #: CPU tiers, lowest first, and the flags each needs (cpuinfo names)
 CPU_TIERS: "dict[str, frozenset[str]]" = {
     "none": frozenset(),
-    "avx2": frozenset({"avx2", "fma"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
     "avx512_bf16": REQUIRED_CPU_FLAGS,
     "avx512_vnni": REQUIRED_CPU_FLAGS | {"avx512_vnni"},
 }
-_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512bf16", "-mfma", "-Wall", "-Wextra",
-          # vector types' alignment attributes in function-pointer templates: harmless;
-          # GCC 12's AVX-512 headers build undefined vectors as `__Y = __Y`, which
-          # -Wmaybe-uninitialized reports wherever they are inlined (a false positive)
-          "-Wno-ignored-attributes", "-Wno-maybe-uninitialized"]
+_COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-Wall", "-Wextra",
+                 # vector types' alignment attributes in function-pointer templates: harmless;
+                 # GCC 12's AVX-512 headers build undefined vectors as `__Y = __Y`, which
+                 # -Wmaybe-uninitialized reports wherever they are inlined (a false positive)
+                 "-Wno-ignored-attributes", "-Wno-maybe-uninitialized"]
+_FLAGS = [*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+#: the avx2 tier: nothing beyond AVX2, FMA and F16C (an AVX2-only EPYC or desktop runs it)
+_AVX2_FLAGS = [*_COMMON_FLAGS, "-mavx2", "-mfma", "-mf16c"]
 _state: "dict[str, bool]" = {}
 _self_tests: "dict[str, bool]" = {}
+_a8_ops: "dict[str, Any]" = {}
 
 
 def cpu_tier() -> str:
@@ -111,9 +122,14 @@ def _wait(proc: subprocess.Popen, what: str) -> None:
         logger.warning("%s: compiler warnings:\n%s", what, err[-4000:])
 
 
-def build(cxx: str) -> Path:
-    """Compile the sources (in parallel) and link the library into the cache; returns its
-    path. Concurrent builders each link to a temp file and rename it into place."""
+def build(cxx: str, name: str = "llmserve_native", sources: "list[Path] | None" = None,
+          headers: "list[Path] | None" = None, flags: "list[str] | None" = None) -> Path:
+    """Compile ``sources`` (default: the AVX-512 library's) in parallel and link library
+    ``name`` into the cache; returns its path. Concurrent builders each link to a temp file
+    and rename it into place."""
+    sources = SOURCES if sources is None else sources
+    headers = HEADERS if headers is None else headers
+    flags = _FLAGS if flags is None else flags
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # torch's headers as system headers: their own warnings are not ours to fix
@@ -121,18 +137,18 @@ def build(cxx: str) -> Path:
                 "-isystem", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include")]
     libs = [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-lgomp",
             f"-Wl,-rpath,{torch_dir / 'lib'}"]
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES + HEADERS), torch.__version__,
-                                    str(torch_dir), cxx, *_FLAGS, *includes, *libs]).encode())
-    target = kernel_cache_dir() / f"llmserve_native-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in sources + headers), torch.__version__,
+                                    str(torch_dir), cxx, *flags, *includes, *libs]).encode())
+    target = kernel_cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        logger.info("building llmserve's native CPU kernels (once per machine, ~10 s)")
-        objects = [str(Path(tmp) / f"{s.stem}.o") for s in SOURCES]
-        procs = [_run([cxx, *_FLAGS, *includes, "-c", str(s), "-o", o])
-                 for s, o in zip(SOURCES, objects)]
-        for proc, src in zip(procs, SOURCES):
+        logger.info("building llmserve's native CPU kernels %s (once per machine, ~10 s)", name)
+        objects = [str(Path(tmp) / f"{s.stem}.o") for s in sources]
+        procs = [_run([cxx, *flags, *includes, "-c", str(s), "-o", o])
+                 for s, o in zip(sources, objects)]
+        for proc, src in zip(procs, sources):
             _wait(proc, f"{cxx} {src.name}")
         lib = Path(tmp) / "lib.so"
         _wait(_run([cxx, "-shared", "-fopenmp", *objects, "-o", str(lib), *libs]), "link")
@@ -214,13 +230,67 @@ def native_available() -> bool:
     return _state["ok"]
 
 
+def _load_avx2() -> bool:
+    if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or cpu_tier() != "avx2":
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found: the avx2 tier's kernels are not built")
+        return False
+    try:
+        torch.ops.load_library(str(build(cxx, "llmserve_avx2", AVX2_SOURCES, AVX2_HEADERS,
+                                         _AVX2_FLAGS)))
+        if not torch.ops.llmserve_avx2.cpu_supported():
+            return False
+        torch.library.register_fake("llmserve_avx2::int4_a8_mm")(_fake_int4_mm)
+        torch.library.register_fake("llmserve_avx2::int8_a8_mm")(_fake_int8_mm)
+    except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
+        logger.warning("llmserve's avx2 kernels are unavailable (%s): using PyTorch's", exc)
+        return False
+    return True
+
+
+def avx2_available() -> bool:
+    """The avx2 tier's library (``llmserve_avx2``: the int8-activation products) is built and
+    loaded: only where :func:`cpu_tier` is ``avx2`` (decided once per process)."""
+    if "avx2" not in _state:
+        _state["avx2"] = _load_avx2()
+    return _state["avx2"]
+
+
+def a8_ops() -> "Any | None":
+    """The operator namespace of the int8-activation products ``int4_a8_mm`` and
+    ``int8_a8_mm`` on this CPU tier: ``torch.ops.llmserve_native`` (AVX512-VNNI),
+    ``torch.ops.llmserve_avx2`` (AVX2 + FMA, the same layouts and results), or None.
+    Decided once per process, so a product pays no check per call."""
+    if "a8_ops" not in _a8_ops:
+        if cpu_tier() == "avx2":
+            _a8_ops["a8_ops"] = torch.ops.llmserve_avx2 if avx2_available() else None
+        else:
+            _a8_ops["a8_ops"] = torch.ops.llmserve_native if native_available() and \
+                a8_supported() else None
+    return _a8_ops["a8_ops"]
+
+
+def a8_library() -> "str | None":
+    """The name of the library :func:`a8_ops` serves (``llmserve_native``,
+    ``llmserve_avx2``), or None; for the kernel plan."""
+    ops = a8_ops()
+    return None if ops is None else ("llmserve_avx2" if cpu_tier() == "avx2"
+                                     else "llmserve_native")
+
+
 def kernel_checked(name: str, self_test: Callable[[], bool],
-                   supported: Callable[[], bool] = lambda: True) -> bool:
-    """The library is loaded, ``supported()`` (CPU features a kernel needs beyond the
-    library's) holds and ``self_test`` (the kernel ``name`` against its PyTorch reference)
-    passed: decided once per process and kernel; a failed self-test is logged."""
+                   supported: Callable[[], bool] = lambda: True,
+                   library: Callable[[], bool] = native_available) -> bool:
+    """``library()`` (the library the kernel lives in) is loaded, ``supported()`` (CPU
+    features a kernel needs beyond the library's) holds and ``self_test`` (the kernel
+    ``name`` against its PyTorch reference) passed: decided once per process and kernel; a
+    failed self-test is logged."""
     if name not in _self_tests:
-        runs = native_available() and supported()
+        runs = library() and supported()
         ok = runs and self_test()
         if runs and not ok:
             logger.warning("native %s kernel failed its self-test: PyTorch's kernels are used",

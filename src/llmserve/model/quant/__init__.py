@@ -5,8 +5,9 @@
     none  dense weights in the model dtype (a GGUF file is dequantized at load)
     auto  a GGUF file keeps its quantized weights packed (GGUFLinearMethod), and a GPTQ/AWQ
           folder its int4 linears in their own groups (Int4CheckpointLinearMethod), when the
-          model runs bf16 activations on the CPU (the kernels' arithmetic); otherwise, like
-          none (dequantized). HF float checkpoints stay dense.
+          model runs bf16 activations on the CPU (the kernels' arithmetic), or float32 ones
+          on the avx2 tier with its int8-activation kernels (no native bf16 there);
+          otherwise, like none (dequantized). HF float checkpoints stay dense.
     int8  every linear int8 per output channel (round-to-nearest at load)
     int4  every linear int4 in groups of ``quantization_group_size`` (32/64/128/256),
           round-to-nearest at load; a GGUF file's 4-bit blocks of 32 are kept exactly
@@ -39,6 +40,7 @@ from llmserve.model.quant.methods import (
     Int4LinearMethod,
     Int8LinearMethod,
 )
+from llmserve.model.native.ops import cpu_tier
 from llmserve.model.quant.native_int4 import native_int4_a8_available
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,14 @@ def int4_int8_activations(choice: str, device: torch.device) -> bool:
     return usable
 
 
+def _int8_products_without_bf16(int4_activations: str, device: torch.device) -> bool:
+    """The avx2 tier with its int8-activation kernels: a float32 model (``--dtype auto`` on a
+    CPU without native bf16) keeps a packed file packed, as llama.cpp does there (float32
+    activations, quantized to int8 rows for each product)."""
+    return (device.type == "cpu" and cpu_tier() == "avx2" and int4_activations != "bf16"
+            and native_int4_a8_available())
+
+
 def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
                          dtype: torch.dtype, device: torch.device,
                          int4_activations: str = "auto") -> LinearMethod:
@@ -84,13 +94,15 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
         gguf = model.source_format == "gguf" and model.quantization not in _FLOAT_FILE_TYPES
         int4_folder = model.source_format == "hf" and model.quantization is not None
         packed_file = gguf or int4_folder
-        if packed_file and usable and dtype == torch.bfloat16:
+        if packed_file and usable and (dtype == torch.bfloat16 or (
+                dtype == torch.float32 and _int8_products_without_bf16(int4_activations,
+                                                                       device))):
             a8 = int4_int8_activations(int4_activations, device)
             return GGUFLinearMethod(a8) if gguf else Int4CheckpointLinearMethod(a8)
         if packed_file:
             logger.info("quantization auto: %s weights dequantized to %s (packed kernels need "
-                        "bf16 activations on the CPU)", model.quantization,
-                        str(dtype).replace("torch.", ""))
+                        "bf16 activations on the CPU, or int8 ones on the avx2 tier)",
+                        model.quantization, str(dtype).replace("torch.", ""))
         return DenseLinearMethod()
     if not usable:
         raise ValueError(f"--quantization {quantization} needs the CPU int4/int8 kernels; "

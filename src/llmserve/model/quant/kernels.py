@@ -363,8 +363,8 @@ class Int8Weight(nn.Module):
     dense GEMM (:func:`int8_mm`).
 
     ``int8_activations`` packs for ``int8_a8_mm`` (rows quantized in blocks of 32, faster
-    than the bf16 kernel: docs/BENCHMARKS.md) where it runs: native, K % 32 == 0,
-    AVX512-VNNI (``self.int8_activations``).
+    than the bf16 kernel: docs/BENCHMARKS.md) where it runs: K % 32 == 0 and the CPU tier's
+    int8 x int8 kernel (AVX512-VNNI, or the avx2 library; ``self.int8_activations``).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,
@@ -374,13 +374,17 @@ class Int8Weight(nn.Module):
             raise ValueError(f"int8 weight needs q int8 (N, K) and scale (N,), got "
                              f"{q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}")
         self.out_features, self.in_features = q.shape
-        self.native = (native_int8_available() if native is None else native) \
-            and q.device.type == "cpu" and self.in_features % 2 == 0
-        if native and not self.native:
-            raise ValueError("the native int8 kernel is not available for this weight/machine")
-        self.int8_activations = (int8_activations and self.native
+        cpu = q.device.type == "cpu"
+        # int8 activations run wherever the tier has the int8 x int8 kernel (AVX512-VNNI or
+        # the avx2 library), also where the bf16-activation kernel does not (the avx2 tier)
+        self.int8_activations = (int8_activations and cpu and native is not False
                                  and self.in_features % A8_BLOCK == 0
                                  and native_int8_a8_available())
+        self.native = self.int8_activations or (
+            (native_int8_available() if native is None else native)
+            and cpu and self.in_features % 2 == 0)
+        if native and not self.native:
+            raise ValueError("the native int8 kernel is not available for this weight/machine")
         scale = scale.to(KERNEL_DTYPE)
         if self.native:   # packing pads N to 16 with zero rows: give them a zero scale
             q = pack_int8_a8(q) if self.int8_activations else pack_int8(q)
@@ -416,11 +420,12 @@ class Int8Weight(nn.Module):
     def with_int8_activations(self) -> "Int8Weight":
         """This weight repacked for int8 activations (itself when it has them already or
         the kernel cannot take it: see ``int8_activations``)."""
-        if self.int8_activations or not self.native:
+        if self.int8_activations:
             return self
-        ids = torch.arange(self.out_features, device=self.qweight.device)
-        q = packed_rows(self.qweight, ids)
-        other = Int8Weight(q, self.scale[:self.out_features], native=True, int8_activations=True)
+        q = self.qweight
+        if self.native:
+            q = packed_rows(q, torch.arange(self.out_features, device=q.device))
+        other = Int8Weight(q, self.scale[:self.out_features], int8_activations=True)
         return other if other.int8_activations else self
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -434,6 +439,11 @@ class Int8Weight(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def format_name(self) -> str:
+        """``int8`` / ``int8-a8`` (int8 activations), as ``describe_quantization`` counts it."""
+        return "int8-a8" if self.int8_activations else "int8"
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.int8_activations else ""

@@ -201,8 +201,9 @@ class QuantizedLinearMethod(LinearMethod):
             layer.qweight = QBlockWeight(BlockCodes.cat([s.values for s in shards]))
         elif fmt == "split":
             layer.qweight = SplitWeight(self._split_parts(shards))
-        elif fmt == "int8":
-            layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])))
+        elif fmt == "int8":   # with int8 activations where the tier's int8 x int8 kernel runs
+            layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])),
+                                       int8_activations=self.int8_activations)
         elif fmt == "dense":
             weight = torch.cat([s.as_float() for s in shards]).to(layer.dtype)
             layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -210,7 +211,7 @@ class QuantizedLinearMethod(LinearMethod):
         else:
             raise ValueError(f"unknown packed format {fmt!r}")
         layer.qformat = fmt
-        if fmt in ("int4", "qblock", "split"):
+        if fmt in ("int4", "qblock", "split", "int8"):
             layer.qformat = layer.qweight.format_name
 
     def _split_parts(self, shards: list[Shard]) -> "list[nn.Module]":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native.ops import a8_supported, kernel_checked
+from llmserve.model.native.ops import a8_ops, kernel_checked
 from llmserve.model.quant.native_int8 import A8_BLOCK, quantized_rows_reference
 
 STRIP = 16
@@ -114,8 +114,8 @@ def pack_int4_a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 def int4_a8_mm(x: torch.Tensor, packed: torch.Tensor, scales_mins: torch.Tensor,
                group_size: int) -> torch.Tensor:
     """``x (M, K) bf16 @ W^T`` with ``x`` quantized to int8 by rows in blocks of 32
-    -> (M, N padded to 16) bf16."""
-    return torch.ops.llmserve_native.int4_a8_mm(x, packed, scales_mins, group_size)
+    -> (M, N padded to 16) bf16. The tier's kernel (:func:`a8_ops`): AVX512-VNNI or AVX2."""
+    return a8_ops().int4_a8_mm(x, packed, scales_mins, group_size)
 
 
 def int4_a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -145,7 +145,6 @@ def _self_test_a8() -> bool:
 
 
 def native_int4_a8_available() -> bool:
-    """The native library is loaded, the CPU has AVX512-VNNI and the int4 x int8 product
+    """The CPU tier has an int4 x int8 kernel (AVX512-VNNI, or the avx2 library) and it
     checks out (once per process)."""
-    return kernel_checked("int4_a8", _self_test_a8,
-                          supported=a8_supported)
+    return kernel_checked("int4_a8", _self_test_a8, library=lambda: a8_ops() is not None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.native.ops import a8_supported, cut_padding, kernel_checked, pair_strips
+from llmserve.model.native.ops import a8_ops, cut_padding, kernel_checked, pair_strips
 
 STRIP = 16
 A8_BLOCK = 32     # activation quantization block of the int8-activation kernels
@@ -97,8 +97,9 @@ def pack_int8_a8(q: torch.Tensor) -> torch.Tensor:
 def int8_a8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                float_out: bool = False, out_features: "int | None" = None) -> torch.Tensor:
     """``x (M, K) bf16 @ (q * scale)^T`` with ``x`` quantized to int8 by rows in blocks of 32
-    -> ``(M, out_features)`` (default: N padded to 16), bf16 or float32."""
-    y = torch.ops.llmserve_native.int8_a8_mm(x, packed, scale, float_out)
+    -> ``(M, out_features)`` (default: N padded to 16), bf16 or float32. The tier's kernel
+    (:func:`a8_ops`): AVX512-VNNI or AVX2."""
+    y = a8_ops().int8_a8_mm(x, packed, scale, float_out)
     return y if out_features is None else cut_padding(y, out_features)
 
 
@@ -133,7 +134,6 @@ def _self_test_a8() -> bool:
 
 
 def native_int8_a8_available() -> bool:
-    """The native library is loaded, the CPU has AVX512-VNNI and the int8 x int8 product
+    """The CPU tier has an int8 x int8 kernel (AVX512-VNNI, or the avx2 library) and it
     checks out (once per process)."""
-    return kernel_checked("int8_a8", _self_test_a8,
-                          supported=a8_supported)
+    return kernel_checked("int8_a8", _self_test_a8, library=lambda: a8_ops() is not None)
