@@ -33,6 +33,7 @@ from llmserve.config import INT4_ACTIVATIONS
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers.embedding import VocabEmbedding
 from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
+from llmserve.model.native.ops import cpu_tier
 from llmserve.model.quant.kernels import kernels_available
 from llmserve.model.quant.methods import (
     GGUFLinearMethod,
@@ -40,7 +41,6 @@ from llmserve.model.quant.methods import (
     Int4LinearMethod,
     Int8LinearMethod,
 )
-from llmserve.model.native.ops import cpu_tier
 from llmserve.model.quant.native_int4 import native_int4_a8_available
 
 logger = logging.getLogger(__name__)
