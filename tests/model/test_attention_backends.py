@@ -120,7 +120,8 @@ def test_verify_step_rows_are_bit_identical_to_decodes_with_the_native_kernel():
     tables = torch.tensor([[1, 5, 7, 9, 11], [2, 3, 19, 0, 0]])
     positions = torch.tensor([[70, 71, 72, 73], [29, 30, 31, 32]])
     q = torch.randn(2 * q_rows, heads, d).bfloat16()
-    backend = make_backend("paged", heads, kv_heads, d, bs)
+    backend = make_backend("paged", heads, kv_heads, d, bs, torch.bfloat16)
+    assert backend.native_decode
     new_kv = torch.zeros(0, kv_heads, d).bfloat16()
     slots = torch.zeros(0, dtype=torch.long)
     # as in the compiled verify step: metadata and attention inside one graph

@@ -101,3 +101,19 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
     assert none["cpu"]["tier"] == "none" and not any(none["native_kernels"].values())
     assert none["cpu"]["a8_library"] is None
     assert none["attention"]["decode"] == "torch"
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="bfloat16", kv_cache_dtype="int8"),
+                                dict(dtype="float32")])
+def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
+    """The backend picks the native decode kernel at construction, from the model and KV
+    dtypes (no check per call); a quantized or float32 cache never gets it, and the plan
+    says so."""
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(tiny_q5, num_kv_blocks=64, block_size=16, enforce_eager=True, **kw)
+    assert llm.engine.runner.backend.native_decode is False
+    assert llm.engine.runner.kernel_plan["attention"]["decode"] == "torch"
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0,
+                                                      ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3

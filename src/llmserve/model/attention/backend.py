@@ -200,12 +200,18 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int) -> AttentionBackend:
-    """The backend called ``name`` (``reference`` | ``paged``)."""
+                 block_size: int, dtype: torch.dtype = torch.float32,
+                 kv_dtype: Optional[torch.dtype] = None,
+                 device: torch.device = torch.device("cpu")) -> AttentionBackend:
+    """The backend called ``name`` (``reference`` | ``paged``) for queries of ``dtype`` over
+    a cache of ``kv_dtype`` (default: ``dtype``) on ``device``: what the paged backend needs
+    to pick its decode kernel once, here."""
     from llmserve.model.attention.paged import PagedBackend
     from llmserve.model.attention.reference import ReferenceBackend
 
-    backends = {"reference": ReferenceBackend, "paged": PagedBackend}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; use one of {sorted(backends)}")
-    return backends[name](num_heads, num_kv_heads, head_dim, block_size)
+    if name == "paged":
+        return PagedBackend(num_heads, num_kv_heads, head_dim, block_size, dtype,
+                            dtype if kv_dtype is None else kv_dtype, device)
+    if name == "reference":
+        return ReferenceBackend(num_heads, num_kv_heads, head_dim, block_size)
+    raise ValueError(f"unknown attention backend {name!r}; use one of ['paged', 'reference']")

@@ -7,7 +7,8 @@ arithmetic (float32 scores and sums, exact bf16 products) with one task per (seq
 head) that reads each K and V row once where it lives, and is several times faster there
 (docs/ARCHITECTURE.md, "Native kernels"; figures in docs/BENCHMARKS.md).
 
-Used for decode rows when the library is loaded and checked (:func:`native_decode_usable`):
+Used for decode rows when the library is loaded and checked (``PagedBackend.native_decode``,
+decided once from the model and KV dtypes):
 bf16 queries and a bf16 KV cache on CPU, a head size that is a multiple of 16. Quantized KV
 caches, other dtypes and other devices keep the compiled/eager paths.
 """
@@ -46,9 +47,3 @@ def native_decode_available() -> bool:
     """The native library is loaded and its decode attention checks out (once per process)."""
     return kernel_checked("paged_decode", _self_test)
 
-
-def native_decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The native kernel (once :func:`native_decode_available`) serves these decode rows:
-    a bf16 CPU query and cache, a head size that is a multiple of 16."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16
-            and k_cache.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from llmserve.model.attention.backend import AttentionMetadata, GroupMetadata, StepBatch, write_kv
-from llmserve.model.attention.native_decode import native_decode_available, native_decode_usable, paged_decode_native
+from llmserve.model.attention.native_decode import native_decode_available, paged_decode_native
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
 from llmserve.model.quant.kv import load_kv
 
@@ -105,11 +105,15 @@ class PagedBackend(ReferenceBackend):
 
     name = "paged"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype = torch.float32,
+                 device: torch.device = torch.device("cpu")) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
-        # decided here, never inside a traced step (the first check builds and tests it)
-        self.native_decode = native_decode_available()
+        # decided here, once, never inside a traced step (the first check builds and tests
+        # the kernel): it serves bf16 CPU queries over a bf16 cache, head sizes of 16k
+        self.native_decode = (device.type == "cpu" and dtype == torch.bfloat16
+                              and kv_dtype == torch.bfloat16 and head_dim % 16 == 0
+                              and native_decode_available())
 
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
         nd = batch.num_decodes
@@ -140,7 +144,7 @@ class PagedBackend(ReferenceBackend):
                       softcap: Optional[float] = None) -> list[torch.Tensor]:
         """Prefill groups through the native kernel where it serves them (each query row
         is a decode against its own causal keys), the rest through the reference."""
-        if not (self.native_decode and native_decode_usable(q, k_cache)):
+        if not self.native_decode:
             return super().group_outputs(q, k_cache, v_cache, meta, scale, groups, window,
                                          softcap)
         outs = []
@@ -166,7 +170,7 @@ class PagedBackend(ReferenceBackend):
             qd = q[:nd]
             valid = meta.decode_valid_for(window)
             if meta.decode_positions is not None:   # compiled verify step
-                if self.native_decode and native_decode_usable(qd, k_cache):
+                if self.native_decode:
                     # each query row as the decode at its position: the kernel (and the
                     # order of its sums) of a plain decode, so verifying a draft gives the
                     # logits decoding it would
@@ -177,7 +181,7 @@ class PagedBackend(ReferenceBackend):
                 else:
                     outs.append(paged_verify_inplace(qd, k_cache, v_cache, meta.decode_slots,
                                                      valid, scale, softcap))
-            elif self.native_decode and native_decode_usable(qd, k_cache):
+            elif self.native_decode:
                 outs.append(paged_decode_native(qd, k_cache, v_cache, meta.decode_slots,
                                                 valid, scale, softcap))
             elif torch.compiler.is_compiling():

@@ -62,7 +62,8 @@ class ModelRunner:
         mc = sharding.local_config(self.model_config) if sharding else self.model_config
         backend_name = "paged" if cfg.model.attention_backend == "auto" else cfg.model.attention_backend
         self.backend = make_backend(backend_name, mc.num_attention_heads, mc.num_key_value_heads,
-                                    mc.head_dim, cfg.cache.block_size)
+                                    mc.head_dim, cfg.cache.block_size, self.dtype,
+                                    self.kv_dtype, self.device)
         t0 = time.time()
         method = select_linear_method(cfg.model.quantization, cfg.model.quantization_group_size, mc,
                                       self.dtype, self.device, cfg.model.int4_activations)
