@@ -202,10 +202,10 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype = torch.float32,
                  kv_dtype: Optional[torch.dtype] = None,
-                 device: torch.device = torch.device("cpu")) -> AttentionBackend:
+                 device: Optional[torch.device] = None) -> AttentionBackend:
     """The backend called ``name`` (``reference`` | ``paged``) for queries of ``dtype`` over
-    a cache of ``kv_dtype`` (default: ``dtype``) on ``device``: what the paged backend needs
-    to pick its decode kernel once, here."""
+    a cache of ``kv_dtype`` (default: ``dtype``) on ``device`` (default: the CPU): what the
+    paged backend needs to pick its decode kernel once, here."""
     from llmserve.model.attention.paged import PagedBackend
     from llmserve.model.attention.reference import ReferenceBackend
 

@@ -107,11 +107,11 @@ class PagedBackend(ReferenceBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype = torch.float32,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: Optional[torch.device] = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         # decided here, once, never inside a traced step (the first check builds and tests
         # the kernel): it serves bf16 CPU queries over a bf16 cache, head sizes of 16k
-        self.native_decode = (device.type == "cpu" and dtype == torch.bfloat16
+        self.native_decode = ((device is None or device.type == "cpu") and dtype == torch.bfloat16
                               and kv_dtype == torch.bfloat16 and head_dim % 16 == 0
                               and native_decode_available())
 
