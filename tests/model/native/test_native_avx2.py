@@ -146,3 +146,49 @@ def test_a_forced_avx2_engine_runs_packed_on_these_kernels(tmp_path):
     p = torch.log_softmax(logits["dense"], -1)
     q = torch.log_softmax(logits["avx2"], -1)
     assert ((p.exp() * (p - q)).sum(-1)).max() < 0.01
+
+
+def test_a_rows_result_never_depends_on_its_batch(avx2):
+    """Batch invariance of both avx2 kernels: each row alone equals, bit for bit, the same
+    row inside batches of 2..9 rows (across the 4-row tiles)."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 48, 256
+    q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    packed4, sm = pack_int4_a8(q4, torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01,
+                               torch.rand(n, k // 32, generator=gen) - 0.5, 32)
+    packed8 = pack_int8_a8(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8))
+    scale8 = (torch.rand(n, generator=gen) * 0.01).bfloat16()
+    x = (torch.randn(9, k, generator=gen) * 2).bfloat16()
+    products = (lambda rows: avx2.int4_a8_mm(rows, packed4, sm, 32),
+                lambda rows: avx2.int8_a8_mm(rows, packed8, scale8, True))
+    for product in products:
+        alone = torch.cat([product(x[i:i + 1]) for i in range(9)])
+        for size in (2, 4, 5, 8, 9):
+            batched = product(x[:size])
+            assert torch.equal(batched, alone[:size]), size
+
+
+_GREEDY = """
+import json, sys
+from llmserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], num_kv_blocks=128, block_size=16, enforce_eager=True)
+params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+prompts = [[5 + i, 17, 300 + 7 * i, 42, 9, 1000 - i, 77] for i in range(8)]
+alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+batches = {n: [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params)]
+           for n in (4, 8)}
+print(json.dumps({"alone": alone, "batches": batches}))
+"""
+
+
+def test_forced_avx2_greedy_tokens_are_the_same_alone_and_in_batches(tmp_path):
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), num_heads=4, num_kv_heads=2, hidden=64,
+                              seed=6, tie=True)
+    gguf = make_tiny_gguf(hf, str(tmp_path / "tiny.Q4_1.gguf"), quant="Q4_1",
+                          embedding_quant="Q8_0", with_tokenizer=True)
+    env = dict(os.environ, LLMSERVE_CPU_ISA="avx2")
+    out = subprocess.run([sys.executable, "-c", _GREEDY, gguf], env=env, check=True,
+                         capture_output=True, text=True, timeout=600)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for n, tokens in got["batches"].items():
+        assert tokens == got["alone"][:int(n)], n
