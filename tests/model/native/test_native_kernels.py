@@ -340,3 +340,41 @@ def test_step_timeline_script_runs_a_burst(tiny_path):
                   r"([\d.]+), ([\d.]+) s; decode steps [\d.]+ s, median [\d.]+ ms", line)
     assert m, line
     assert float(m.group(1)) > 0 and 5 <= int(m.group(2)) <= 8
+
+
+def assert_rows_never_depend_on_their_batch(product, k: int) -> None:
+    """Each row of ``product`` over 1..130 rows (every row tile, remainder and the many-row
+    panels) has the bits it has alone: no row-count-dependent summation order."""
+    torch.manual_seed(k)
+    x = torch.randn(130, k).bfloat16()
+    x[7] *= 300                                   # an outlier row
+    alone = torch.cat([product(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in (2, 3, 4, 5, 8, 9, 13, 17, 63, 64, 65, 77, 130):
+        assert torch.equal(product(x[:rows]), alone[:rows]), rows
+    assert torch.equal(product(x[50:121]), alone[50:121])
+
+
+@needs_native
+@pytest.mark.parametrize("g", [32, 128])
+def test_int4_mm_rows_never_depend_on_their_batch(g):
+    layer = Int4Weight(quantize_int4(torch.randn(80, 256), g))
+    assert layer.native and not layer.int8_activations
+    assert_rows_never_depend_on_their_batch(layer, 256)
+
+
+@needs_native
+@pytest.mark.parametrize("float_out", [False, True])
+def test_bf16_mm_rows_never_depend_on_their_batch(float_out):
+    from llmserve.model.layers.native_dense import bf16_mm, pack_bf16
+    w = torch.randn(72, 192).bfloat16()
+    packed = pack_bf16(w)
+    assert_rows_never_depend_on_their_batch(lambda t: bf16_mm(t, packed, 72, float_out), 192)
+
+
+@needs_native
+def test_int8_mm_rows_never_depend_on_their_batch():
+    from llmserve.model.quant.kernels import Int8Weight, quantize_int8
+    layer = Int8Weight(*quantize_int8(torch.randn(48, 320)))
+    assert layer.native and not layer.int8_activations
+    assert_rows_never_depend_on_their_batch(layer, 320)
+    assert_rows_never_depend_on_their_batch(layer.logits, 320)

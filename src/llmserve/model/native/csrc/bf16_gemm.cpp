@@ -6,9 +6,10 @@
 //     vector j of strip s, word 2c + t  =  w[16s + c][2j + t]          (c < 16, t < 2)
 //
 //   which is vdpbf16ps's operand layout against a broadcast activation pair (x[2j], x[2j+1]).
-// Up to 8 rows: tiles of all rows x one strip, streamed once (a decode step is a chain of
+// Up to 8 rows: tiles of up to 4 rows x one strip (a decode step is a chain of
 // matrix-vector products: this reads the weights at ~0.9x the streaming bandwidth, oneDNN's
-// packed matvec ~0.6x). More rows: tiles of 12 rows x 2 strips (24 float32 accumulators).
+// packed matvec ~0.6x). More rows: tiles of 6 rows x 2 strips that sum the row tiles' four chains one
+// after another, in the row tiles' order, so a row's bits are the same at every row count.
 // Outputs are bf16, or float32 with float_out (an LM head: no rounding of near-tied logits).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,29 +28,38 @@
 namespace {
 
 using llmserve_native::broadcast_pair;
-using llmserve_native::kPairMaxRows;
-using llmserve_native::kPairRows;
+using llmserve_native::kPairChains;
+using llmserve_native::pair_strip_all_rows;
 using llmserve_native::store16;
 
 constexpr int kStrip = 16;
-constexpr int kPanelRows = 12;
+constexpr int kRowTileMax = 8;   // up to here: row tiles, then panels
+constexpr int kPanelRows = 6;   // 6 rows x 2 strips, a chain's sums and the totals: 24 zmm
 
 template <int ROWS, int STRIPS>
 void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, void* y,
                 int64_t y0, int64_t ldy, bool float_out) {
-  __m512 acc[ROWS][STRIPS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512bh wv[STRIPS];
-    for (int t = 0; t < STRIPS; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(w + t * pairs + j);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
-      for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+  // the row tiles' order (pair_tiles.h): chain a holds pairs a, a + 4, ... in order, the
+  // chains are added ((0 + 1) + 2) + 3; here one chain after another over the strips
+  __m512 total[ROWS][STRIPS];
+  for (int a = 0; a < kPairChains; ++a) {
+    __m512 acc[ROWS][STRIPS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t j = a; j < pairs; j += kPairChains) {
+      __m512bh wv[STRIPS];
+      for (int t = 0; t < STRIPS; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(w + t * pairs + j);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
+        for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+      }
     }
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < STRIPS; ++t)
+        total[r][t] = a == 0 ? acc[r][t] : _mm512_add_ps(total[r][t], acc[r][t]);
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < STRIPS; ++t) store16(y, y0 + r * ldy + t * kStrip, acc[r][t], float_out);
+    for (int t = 0; t < STRIPS; ++t) store16(y, y0 + r * ldy + t * kStrip, total[r][t], float_out);
 }
 
 using TileFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, void*, int64_t,
@@ -78,10 +88,11 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed, bool float_out
   const auto* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   void* yp = y.data_ptr();
-  if (rows <= kPairMaxRows) {
+  if (rows <= kRowTileMax) {
     at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s)
-        kPairRows[rows](wp + s * pairs, pairs, xp, k, nullptr, yp, s * kStrip, n, float_out);
+        pair_strip_all_rows(wp + s * pairs, pairs, xp, rows, k, nullptr, yp, s * kStrip, n,
+                            float_out);
     });
     return y;
   }

@@ -14,7 +14,7 @@
 //
 // Per group the codes (q - 8, exact in bf16) are dotted with the bf16 activations in fp32
 // (vdpbf16ps products are exact), then  y += scale * dot + zero * sum(x over the group).
-// Row tiles of up to 8 activations share each dequantized vector; strips split over threads.
+// Row tiles of up to 4 activations share each dequantized vector; strips split over threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,7 +38,7 @@ using llmserve_native::load_bf16x16;
 
 constexpr int kStrip = 16;      // output channels per strip (one fp32 zmm)
 constexpr int kChunkBytes = 32; // 4 k's x 16 channels x 4 bits
-constexpr int kMaxRows = 8;     // activation rows per tile
+constexpr int kMaxRows = 4;     // activation rows per tile (x 4 chains: 16 accumulators)
 constexpr int64_t kPrefetchBytes = 2048;  // row tiles: prefetch distance of the codes,
 constexpr int64_t kPrefetchGroups = 8;    // ... and of the scales (in groups)
 constexpr int64_t kPanelMinRows = 64;  // from here: expanded panels (int4_mm_panels)
@@ -56,9 +56,16 @@ struct CodeTable {
 };
 const CodeTable kCodes;
 
-// ROWS activation rows x one strip. NACC partial accumulators per row hide the latency of
-// vdpbf16ps when few rows give few independent chains.
-template <int ROWS, int NACC>
+// The summation order of every row count (a row's bits never depend on its batch): within a
+// group, pair j of (k, k+1) codes goes to partial sum j % 4, in j order (chunk c's "lo" pair
+// is j = 2c, its "hi" pair 2c + 1); the group's dot is ((0 + 1) + 2) + 3, then
+//     y += scale * dot + zero * sum(x over the group)
+// group by group. The many-row panels below sum the same chains one after another. Four
+// chains per row hide vdpbf16ps's latency at one row.
+constexpr int kChains = 4;
+
+// ROWS activation rows (up to 4: 16 accumulators) x one strip.
+template <int ROWS>
 void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx,
                 const float* xsum, int64_t groups, int64_t chunks_per_group, uint16_t* y,
                 int64_t ldy) {
@@ -66,9 +73,9 @@ void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
   __m512 out[ROWS];
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[ROWS][NACC];
+    __m512 acc[ROWS][kChains];
     for (int r = 0; r < ROWS; ++r)
-      for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
+      for (int a = 0; a < kChains; ++a) acc[r][a] = _mm512_setzero_ps();
     const uint8_t* wg = w + g * chunks_per_group * kChunkBytes;
     // the codes a few groups ahead: with 2+ rows of products per code the hardware
     // prefetcher falls behind; past the strip's end this touches the next strip, which
@@ -80,6 +87,8 @@ void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
                    _MM_HINT_T0);
     }
     const int64_t k0 = g * chunks_per_group * 4;
+    // chunks_per_group is even (the group is a multiple of 8): chunks c, c + 1 feed chains
+    // 0, 1 and 2, 3
     for (int64_t c = 0; c < chunks_per_group; c += 2) {
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
@@ -88,13 +97,10 @@ void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
         const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
         const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
         const int64_t k = k0 + (c + h) * 4;
-        constexpr int step = NACC >= 4 ? 2 : 0;
-        const int ilo = (h * step) % NACC;
-        const int ihi = (h * step + (NACC >= 2 ? 1 : 0)) % NACC;
         for (int r = 0; r < ROWS; ++r) {
           const uint16_t* xr = x + r * ldx + k;
-          acc[r][ilo] = _mm512_dpbf16_ps(acc[r][ilo], lo, broadcast_pair(xr));
-          acc[r][ihi] = _mm512_dpbf16_ps(acc[r][ihi], hi, broadcast_pair(xr + 2));
+          acc[r][2 * h] = _mm512_dpbf16_ps(acc[r][2 * h], lo, broadcast_pair(xr));
+          acc[r][2 * h + 1] = _mm512_dpbf16_ps(acc[r][2 * h + 1], hi, broadcast_pair(xr + 2));
         }
       }
     }
@@ -102,7 +108,7 @@ void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
     const __m512 zero = load_bf16x16(sz + g * 2 * kStrip + kStrip);
     for (int r = 0; r < ROWS; ++r) {
       __m512 dot = acc[r][0];
-      for (int a = 1; a < NACC; ++a) dot = _mm512_add_ps(dot, acc[r][a]);
+      for (int a = 1; a < kChains; ++a) dot = _mm512_add_ps(dot, acc[r][a]);
       out[r] = _mm512_fmadd_ps(dot, scale, out[r]);
       out[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zero, out[r]);
     }
@@ -118,17 +124,16 @@ using StripFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64
 
 constexpr StripFn kStripFns[kMaxRows + 1] = {
     nullptr,
-    strip_rows<1, 4>, strip_rows<2, 4>, strip_rows<3, 2>, strip_rows<4, 2>,
-    strip_rows<5, 1>, strip_rows<6, 1>, strip_rows<7, 1>, strip_rows<8, 1>,
+    strip_rows<1>, strip_rows<2>, strip_rows<3>, strip_rows<4>,
 };
 
-// ---- many rows (prefill chunks): codes of two strips expanded once, then 6 x 2 tiles ----
+// ---- many rows (prefill chunks): codes of two strips expanded once, then 4 x 2 tiles ----
 //
 // From kPanelMinRows rows the codes (q - 8) of two strips are expanded to bf16 (exact) once
 // into a per-thread buffer of (k, k+1) pair vectors, so tiles of 6 rows x 2 strips spend no
 // work on dequantization; per group they still apply y += scale * dot + zero * sum(x), the
-// same arithmetic as the row tiles above (and as the float reference up to the dtypes).
-constexpr int kPanelRows = 6;
+// same arithmetic and summation order as the row tiles above (bit for bit).
+constexpr int kPanelRows = 4;   // 4 rows x 2 strips: outputs, dots, a chain's sums: 24 zmm
 
 void expand_strip(const uint8_t* w, int64_t chunks, __m512bh* out) {
   const __m512i table = _mm512_load_si512(kCodes.words);
@@ -148,22 +153,29 @@ void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* const* sz, con
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < STRIPS; ++t) out[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[ROWS][STRIPS];
-    for (int r = 0; r < ROWS; ++r)
-      for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t j = g * pairs_per_group; j < (g + 1) * pairs_per_group; ++j) {
-      __m512bh wv[STRIPS];
-      for (int t = 0; t < STRIPS; ++t) wv[t] = w[t * pairs + j];
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
-        for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+    // the row tiles' chains (pair j of the group in chain j % 4), one after another
+    __m512 dot[ROWS][STRIPS];
+    for (int a = 0; a < kChains; ++a) {
+      __m512 acc[ROWS][STRIPS];
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
+      for (int64_t j = g * pairs_per_group + a; j < (g + 1) * pairs_per_group; j += kChains) {
+        __m512bh wv[STRIPS];
+        for (int t = 0; t < STRIPS; ++t) wv[t] = w[t * pairs + j];
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
+          for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+        }
       }
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < STRIPS; ++t)
+          dot[r][t] = a == 0 ? acc[r][t] : _mm512_add_ps(dot[r][t], acc[r][t]);
     }
     for (int t = 0; t < STRIPS; ++t) {
       const __m512 scale = load_bf16x16(sz[t] + g * 2 * kStrip);
       const __m512 zero = load_bf16x16(sz[t] + g * 2 * kStrip + kStrip);
       for (int r = 0; r < ROWS; ++r) {
-        out[r][t] = _mm512_fmadd_ps(acc[r][t], scale, out[r][t]);
+        out[r][t] = _mm512_fmadd_ps(dot[r][t], scale, out[r][t]);
         out[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zero, out[r][t]);
       }
     }

@@ -9,7 +9,7 @@
 //   of vdpbf16ps against a broadcast activation pair. scale: (strips * 16,) bf16 per channel.
 //
 // A strip is converted once into a per-thread buffer (K x 16 bf16: 18 KB at K = 576, in L1),
-// then every tile of up to 8 activation rows reads it; y = scale * (x . q), float32 sums,
+// then every tile of up to 4 activation rows reads it; y = scale * (x . q), float32 sums,
 // stored as bf16 or (float_out: an LM head's logits) float32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -21,33 +21,42 @@ inline void store16(void* y, int64_t index, __m512 v, bool float_out) {
   }
 }
 
-// ROWS activation rows x one strip; NACC partial sums per row hide vdpbf16ps's latency when
-// few rows give few independent chains. ``scale`` (per channel, or null) multiplies the sums.
-template <int ROWS, int NACC>
+// The summation order every pair-layout product uses, whatever its row count (a row's bits
+// never depend on its batch): pair j of a strip is added to partial sum j % kPairChains of
+// its row, in j order, and the partial sums are added ((0 + 1) + 2) + 3 at the end. Four
+// chains hide vdpbf16ps's latency at one row; the many-row panels of bf16_mm sum the same
+// chains one after another (bf16_gemm.cpp).
+constexpr int kPairChains = 4;
+
+// ((acc[0] + acc[1]) + acc[2]) + acc[3]
+inline __m512 sum_chains(const __m512* acc) {
+  __m512 s = acc[0];
+  for (int a = 1; a < kPairChains; ++a) s = _mm512_add_ps(s, acc[a]);
+  return s;
+}
+
+// ROWS activation rows x one strip. ``scale`` (per channel, or null) multiplies the sums.
+template <int ROWS>
 void pair_strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx,
                      const __m512* scale, void* y, int64_t y0, int64_t ldy, bool float_out) {
-  __m512 acc[ROWS][NACC];
+  __m512 acc[ROWS][kPairChains];
   for (int r = 0; r < ROWS; ++r)
-    for (int a = 0; a < NACC; ++a) acc[r][a] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + NACC <= pairs; j += NACC)
-    for (int a = 0; a < NACC; ++a) {
-      // bf16_mm streams its weights from memory: with 2+ rows of products per vector the
-      // hardware prefetcher falls behind, so fetch 32 vectors (2 KiB) ahead
-      if constexpr (ROWS >= 2)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j + a + 32), _MM_HINT_T0);
-      const __m512bh v = (__m512bh)_mm512_loadu_si512(w + j + a);
-      for (int r = 0; r < ROWS; ++r)
-        acc[r][a] = _mm512_dpbf16_ps(acc[r][a], v, broadcast_pair(x + r * ldx + 2 * (j + a)));
-    }
-  for (; j < pairs; ++j) {
+    for (int a = 0; a < kPairChains; ++a) acc[r][a] = _mm512_setzero_ps();
+  const auto step = [&](int64_t j, int a) {
+    // bf16_mm streams its weights from memory: with 2+ rows of products per vector the
+    // hardware prefetcher falls behind, so fetch 32 vectors (2 KiB) ahead
+    if constexpr (ROWS >= 2)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j + 32), _MM_HINT_T0);
     const __m512bh v = (__m512bh)_mm512_loadu_si512(w + j);
     for (int r = 0; r < ROWS; ++r)
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v, broadcast_pair(x + r * ldx + 2 * j));
-  }
+      acc[r][a] = _mm512_dpbf16_ps(acc[r][a], v, broadcast_pair(x + r * ldx + 2 * j));
+  };
+  int64_t j = 0;
+  for (; j + kPairChains <= pairs; j += kPairChains)
+    for (int a = 0; a < kPairChains; ++a) step(j + a, a);
+  for (int a = 0; j < pairs; ++j, ++a) step(j, a);   // the last pairs: chain j % 4
   for (int r = 0; r < ROWS; ++r) {
-    __m512 s = acc[r][0];
-    for (int a = 1; a < NACC; ++a) s = _mm512_add_ps(s, acc[r][a]);
+    const __m512 s = sum_chains(acc[r]);
     store16(y, y0 + r * ldy, scale ? _mm512_mul_ps(s, *scale) : s, float_out);
   }
 }
@@ -55,13 +64,12 @@ void pair_strip_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_
 using PairRowsFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, const __m512*,
                             void*, int64_t, int64_t, bool);
 
-constexpr int kPairMaxRows = 8;
+// rows per tile: 4 rows x 4 chains = 16 float32 accumulators
+constexpr int kPairMaxRows = 4;
 
-// pair_strip_rows for 1..8 rows (index = rows).
+// pair_strip_rows for 1..4 rows (index = rows).
 constexpr PairRowsFn kPairRows[kPairMaxRows + 1] = {
-    nullptr,
-    pair_strip_rows<1, 4>, pair_strip_rows<2, 4>, pair_strip_rows<3, 2>, pair_strip_rows<4, 2>,
-    pair_strip_rows<5, 1>, pair_strip_rows<6, 1>, pair_strip_rows<7, 1>, pair_strip_rows<8, 1>,
+    nullptr, pair_strip_rows<1>, pair_strip_rows<2>, pair_strip_rows<3>, pair_strip_rows<4>,
 };
 
 // All ``rows`` rows of x (leading dimension ldx) against one strip, in tiles of up to
