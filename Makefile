@@ -54,8 +54,13 @@ lint: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# Two pytest workers (pytest-xdist), each taking whole test files (a file's module fixtures,
+# such as its server process, start once): the suite waits on server processes and
+# subprocesses for much of its time, so two workers on 2 cores take about half as long as
+# one. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: install browser lint
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
 bench: install
 	$(VENV)/bin/llmserve bench offline $(ARGS)
