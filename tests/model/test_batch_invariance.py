@@ -7,8 +7,10 @@ A tiny random Llama as a Q4_1 GGUF, served as the default model is: packed int4 
 compiled many-row functions on. Each sampled row's logits are captured from the runner
 (``LogitsCapture.SAMPLED``, which keeps the compiled path) and compared with
 ``torch.equal``: any arithmetic that depends on the row count, on eager vs compiled steps or
-on chunking shows here even where it flips no greedy token. Q8_0 and Q5_1 files (the GGUF
-block kernel, issue 29) are checked alone, in batches and chunked the same way. With
+on chunking shows here even where it flips no greedy token. Q8_0, Q5_1, Q5_0 (the GGUF
+block kernel, issue 29) and Q4_0 files are checked alone, in batches and chunked the same
+way, and so are the bf16-activation kernels (``--int4-activations bf16``, a dense bf16
+checkpoint with a tied head). With
 ``LLMSERVE_FAST_ROUNDING=1`` (compiled code rounding once per fused chain) this test fails.
 """
 from __future__ import annotations
@@ -155,10 +157,10 @@ def test_draft_model_speculation_gives_the_logits_of_plain_decoding(gguf_path):
     assert spec.engine.get_stats().spec_accepted_tokens_total > 0
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q5_1"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q5_1", "Q5_0", "Q4_0"])
 def test_block_quantized_files_give_the_same_tokens_alone_and_in_batches(tmp_path, quant):
-    """A GGUF whose layers are Q8_0 / Q5_1 blocks (qblock_a8_mm where the CPU has VNNI, int8
-    per channel elsewhere), compiled decode graphs on: each prompt's greedy tokens and
+    """A GGUF whose layers are Q8_0 / Q5_1 / Q5_0 blocks (qblock_a8_mm where the CPU has VNNI,
+    int8 per channel elsewhere) or Q4_0 blocks (the int4 kernels), compiled decode graphs on: each prompt's greedy tokens and
     sampled logits are the same alone as inside batches of 4, 8 and 16 requests and with its
     prompt chunked."""
     from llmserve.model.quant.native_qblock import native_qblock_available
@@ -169,7 +171,9 @@ def test_block_quantized_files_give_the_same_tokens_alone_and_in_batches(tmp_pat
                           with_tokenizer=True)
     llm = engine(path, enable_prefix_caching=False)
     assert llm.engine.runner.compiled is not None
-    if native_qblock_available():
+    if quant == "Q4_0":   # 4-bit blocks: the int4 kernels
+        assert "linear:int4-g32" in llm.engine.runner.quantization
+    elif native_qblock_available():
         assert f"gguf-{quant.lower()}-a8" in llm.engine.runner.quantization
     alone = [run(llm, [p], GREEDY) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
