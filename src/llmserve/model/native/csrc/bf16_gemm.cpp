@@ -8,8 +8,9 @@
 //   which is vdpbf16ps's operand layout against a broadcast activation pair (x[2j], x[2j+1]).
 // Up to 8 rows: tiles of up to 4 rows x one strip (a decode step is a chain of
 // matrix-vector products: this reads the weights at ~0.9x the streaming bandwidth, oneDNN's
-// packed matvec ~0.6x). More rows: tiles of 6 rows x 2 strips that sum the row tiles' four chains one
-// after another, in the row tiles' order, so a row's bits are the same at every row count.
+// packed matvec ~0.6x). More rows: tiles of 3 rows x 2 strips with the row tiles' four
+// chains each (24 accumulators), summed in the row tiles' order, so a row's bits are the same
+// at every row count.
 // Outputs are bf16, or float32 with float_out (an LM head: no rounding of near-tied logits).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,32 +35,31 @@ using llmserve_native::store16;
 
 constexpr int kStrip = 16;
 constexpr int kRowTileMax = 8;   // up to here: row tiles, then panels
-constexpr int kPanelRows = 6;   // 6 rows x 2 strips, a chain's sums and the totals: 24 zmm
+constexpr int kPanelRows = 3;   // 3 rows x 2 strips x 4 chains: 24 accumulators
 
 template <int ROWS, int STRIPS>
 void panel_rows(const __m512bh* w, int64_t pairs, const uint16_t* x, int64_t ldx, void* y,
                 int64_t y0, int64_t ldy, bool float_out) {
-  // the row tiles' order (pair_tiles.h): chain a holds pairs a, a + 4, ... in order, the
-  // chains are added ((0 + 1) + 2) + 3; here one chain after another over the strips
-  __m512 total[ROWS][STRIPS];
-  for (int a = 0; a < kPairChains; ++a) {
-    __m512 acc[ROWS][STRIPS];
-    for (int r = 0; r < ROWS; ++r)
-      for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t j = a; j < pairs; j += kPairChains) {
-      __m512bh wv[STRIPS];
-      for (int t = 0; t < STRIPS; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(w + t * pairs + j);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
-        for (int t = 0; t < STRIPS; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r)
-      for (int t = 0; t < STRIPS; ++t)
-        total[r][t] = a == 0 ? acc[r][t] : _mm512_add_ps(total[r][t], acc[r][t]);
-  }
+  // the row tiles' order (pair_tiles.h): pair j into chain j % 4, chains added in order
+  __m512 acc[ROWS][STRIPS][kPairChains];
   for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < STRIPS; ++t) store16(y, y0 + r * ldy + t * kStrip, total[r][t], float_out);
+    for (int t = 0; t < STRIPS; ++t)
+      for (int a = 0; a < kPairChains; ++a) acc[r][t][a] = _mm512_setzero_ps();
+  const auto step = [&](int64_t j, int a) {
+    __m512bh wv[STRIPS];
+    for (int t = 0; t < STRIPS; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(w + t * pairs + j);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xb = broadcast_pair(x + r * ldx + 2 * j);
+      for (int t = 0; t < STRIPS; ++t) acc[r][t][a] = _mm512_dpbf16_ps(acc[r][t][a], wv[t], xb);
+    }
+  };
+  int64_t j = 0;
+  for (; j + kPairChains <= pairs; j += kPairChains)
+    for (int a = 0; a < kPairChains; ++a) step(j + a, a);
+  for (int a = 0; j < pairs; ++j, ++a) step(j, a);
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < STRIPS; ++t)
+      store16(y, y0 + r * ldy + t * kStrip, llmserve_native::sum_chains(acc[r][t]), float_out);
 }
 
 using TileFn = void (*)(const __m512bh*, int64_t, const uint16_t*, int64_t, void*, int64_t,

@@ -24,8 +24,8 @@ inline void store16(void* y, int64_t index, __m512 v, bool float_out) {
 // The summation order every pair-layout product uses, whatever its row count (a row's bits
 // never depend on its batch): pair j of a strip is added to partial sum j % kPairChains of
 // its row, in j order, and the partial sums are added ((0 + 1) + 2) + 3 at the end. Four
-// chains hide vdpbf16ps's latency at one row; the many-row panels of bf16_mm sum the same
-// chains one after another (bf16_gemm.cpp).
+// chains hide vdpbf16ps's latency at one row; the many-row panels of bf16_mm keep the same
+// four chains per row and strip (bf16_gemm.cpp).
 constexpr int kPairChains = 4;
 
 // ((acc[0] + acc[1]) + acc[2]) + acc[3]
