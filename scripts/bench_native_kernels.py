@@ -112,6 +112,21 @@ def head_cases(repeats: int) -> list[dict]:
     return out
 
 
+def bf16_head_cases(repeats: int) -> list[dict]:
+    """A dense bf16 LM head (bf16_mm, float32 logits): the row tiles (up to 8 rows) and the
+    many-row panels, whose summation order is the row tiles' (batch invariance)."""
+    from llmserve.model.layers.native_dense import pack_bf16
+    packed = pack_bf16(torch.randn(VOCAB, HIDDEN).bfloat16())
+    out = []
+    for rows in (1, 4, 8, 16, 32, 64, 256):
+        x = torch.randn(rows, HIDDEN).bfloat16()
+        s = time_call(lambda: torch.ops.llmserve_native.bf16_mm(x, packed, True),
+                      repeats if rows <= 64 else max(3, repeats // 4))
+        out.append({"op": "bf16_mm", "case": f"LM head {HIDDEN}x{VOCAB}", "rows": rows,
+                    "us": s * 1e6, "gflops": 2 * rows * HIDDEN * VOCAB / s / 1e9})
+    return out
+
+
 def attention_cases(repeats: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     slots_total = 65536
@@ -149,6 +164,7 @@ def main(argv: "list[str] | None" = None) -> int:
               file=sys.stderr)
         return 2
     rows = (int4_cases(args.repeats) + int4_step_cases(args.repeats) + head_cases(args.repeats)
+            + bf16_head_cases(args.repeats)
             + attention_cases(args.repeats))
     print(f"torch threads: {torch.get_num_threads()}")
     for r in rows:
