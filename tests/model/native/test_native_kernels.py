@@ -364,17 +364,22 @@ def test_int4_mm_rows_never_depend_on_their_batch(g):
 
 @needs_native
 @pytest.mark.parametrize("float_out", [False, True])
-def test_bf16_mm_rows_never_depend_on_their_batch(float_out):
+@pytest.mark.parametrize("k", [192, 70])   # 70: 35 pairs, a tail of 3 after the groups of 4
+def test_bf16_mm_rows_never_depend_on_their_batch(float_out, k):
     from llmserve.model.layers.native_dense import bf16_mm, pack_bf16
-    w = torch.randn(72, 192).bfloat16()
+    w = torch.randn(72, k).bfloat16()
     packed = pack_bf16(w)
-    assert_rows_never_depend_on_their_batch(lambda t: bf16_mm(t, packed, 72, float_out), 192)
+    assert_rows_never_depend_on_their_batch(lambda t: bf16_mm(t, packed, 72, float_out), k)
+    x = torch.randn(20, k).bfloat16()
+    ref = x.float() @ w.float().T
+    assert rel_err(bf16_mm(x, packed, 72, True), ref) <= 1e-5
 
 
 @needs_native
-def test_int8_mm_rows_never_depend_on_their_batch():
+@pytest.mark.parametrize("k", [320, 70])
+def test_int8_mm_rows_never_depend_on_their_batch(k):
     from llmserve.model.quant.kernels import Int8Weight, quantize_int8
-    layer = Int8Weight(*quantize_int8(torch.randn(48, 320)))
+    layer = Int8Weight(*quantize_int8(torch.randn(48, k)))
     assert layer.native and not layer.int8_activations
-    assert_rows_never_depend_on_their_batch(layer, 320)
-    assert_rows_never_depend_on_their_batch(layer.logits, 320)
+    assert_rows_never_depend_on_their_batch(layer, k)
+    assert_rows_never_depend_on_their_batch(layer.logits, k)
