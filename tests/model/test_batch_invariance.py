@@ -185,9 +185,10 @@ def test_block_quantized_files_give_the_same_tokens_alone_and_in_batches(tmp_pat
     assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: chunks of 16 tokens")
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("case", ["q4_1-bf16-activations", "dense-bf16-tied"])
 def test_bf16_activation_kernels_give_the_same_logits_alone_and_in_batches(gguf_path, tmp_path,
-                                                                            case):
+                                                                            case, params):
     """The bf16-activation products (int4_mm for ``--int4-activations bf16``, bf16_mm for a
     dense bf16 checkpoint and its tied LM head with float32 logits) sum every row in one
     order at every row count: a row's logits are the same alone, in batches whose prefill
@@ -203,11 +204,11 @@ def test_bf16_activation_kernels_give_the_same_logits_alone_and_in_batches(gguf_
     assert llm.engine.runner.compiled is not None
     if case != "dense-bf16-tied":
         assert "linear:int4-g32x" in llm.engine.runner.quantization
-    alone = [run(llm, [p], GREEDY) for p in TARGETS]
+    alone = [run(llm, [p], params) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     for extra in (4, 12):
-        got = run(llm, TARGETS + FILLERS[:extra], GREEDY)
+        got = run(llm, TARGETS + FILLERS[:extra], params)
         assert_same(alone, (got[0][:4], got[1][:4]), f"{case}: batch of {4 + extra}")
     chunked = engine(path, enable_prefix_caching=False, max_num_batched_tokens=16, **kw)
-    got = run(chunked, TARGETS + FILLERS[:4], GREEDY)
+    got = run(chunked, TARGETS + FILLERS[:4], params)
     assert_same(alone, (got[0][:4], got[1][:4]), f"{case}: chunks of 16 tokens")

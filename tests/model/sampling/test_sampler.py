@@ -370,3 +370,24 @@ def test_row_max_is_max_with_the_first_index_of_ties(vocab):
         assert torch.equal(values[ok], ref_values[ok])
         assert torch.equal(index[ok], ref_index[ok]), trial
         assert index[3] == 5
+
+
+def test_row_logsumexp_sums_a_row_the_same_alone_and_in_any_batch():
+    """A wide row's log-sum-exp has the same bits alone as in a batch (PyTorch splits one
+    row's sum between threads, so a seeded top-p draw depended on its batch), and equals
+    torch.logsumexp up to float rounding; rows of -inf give -inf."""
+    from llmserve.model.sampling.sampler import row_logsumexp
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (49152, 50000, 1000):
+        x = torch.randn(9, vocab, generator=gen) * 3
+        x[4] = float("-inf")
+        x[5, : vocab // 2] = float("-inf")
+        batch = row_logsumexp(x)
+        for i in range(9):
+            assert torch.equal(row_logsumexp(x[i:i + 1]), batch[i:i + 1]), (vocab, i)
+        assert torch.equal(row_logsumexp(x[2:7]), batch[2:7])
+        assert batch[4].item() == float("-inf")
+        finite = torch.isfinite(batch)
+        torch.testing.assert_close(batch[finite], torch.logsumexp(x, dim=-1)[finite],
+                                   rtol=1e-6, atol=1e-5)

@@ -27,7 +27,8 @@ from llmserve.model.sampling.batch import SamplingBatch
 from llmserve.model.sampling.logits_processors import apply_logit_bias_, apply_token_bitmask_
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "apply_penalties_",
-           "apply_min_tokens_mask_", "apply_top_k_top_p_", "apply_min_p_", "row_max"]
+           "apply_min_tokens_mask_", "apply_top_k_top_p_", "apply_min_p_", "row_logsumexp",
+           "row_max"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,27 @@ def row_max(x: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     if full < v:   # a maximum only in the tail
         index = torch.where(reached.any(dim=-1), index, tail.argmax(dim=-1) + full)
     return values, index
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, dim=-1)`` of a 2-D float tensor, summed in the same order for a
+    row whatever else is in ``x``: PyTorch splits a single wide row's sum between threads
+    (another order than the same row's sum in a batch), so a seeded top-p draw depended on
+    its batch. Wide rows are summed in chunks of :data:`_ARGMAX_CHUNK` (each chunk by one
+    thread), then the chunk sums. Rows of -inf give -inf, as ``logsumexp``."""
+    n, v = x.shape
+    peak = x.amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    e = (x - shift).exp()
+    if v < 4 * _ARGMAX_CHUNK or e.device.type != "cpu":
+        total = e.sum(dim=-1)
+    else:
+        full = v - v % _ARGMAX_CHUNK
+        total = e[:, :full].reshape(n, full // _ARGMAX_CHUNK, _ARGMAX_CHUNK).sum(dim=-1).sum(
+            dim=-1)
+        if full < v:
+            total = total + e[:, full:].sum(dim=-1)
+    return total.log() + shift.squeeze(1)
 
 
 def apply_penalties_(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -130,10 +152,10 @@ def _keep_ranked(
     if not batch.needs_top_p:
         return keep
     masked = values.masked_fill(~keep, _NEG_INF)
-    log_total = torch.logsumexp(masked, dim=-1)
+    log_total = row_logsumexp(masked)
     unlimited = batch.top_k >= vocab
     if not complete and batch.any_unlimited_top_p:
-        log_total = torch.where(unlimited, torch.logsumexp(logits, dim=-1), log_total)
+        log_total = torch.where(unlimited, row_logsumexp(logits), log_total)
     probs = (masked - log_total.unsqueeze(1)).exp()
     cumulative = probs.cumsum(dim=-1)
     cutoff = torch.where(batch.top_p < 1.0, batch.top_p, torch.full_like(batch.top_p, 2.0))
