@@ -22,6 +22,7 @@
 
 #include "bf16_vec.h"
 #include "int4_operands.h"
+#include "pair_tiles.h"
 
 #include <immintrin.h>
 
@@ -62,7 +63,8 @@ const CodeTable kCodes;
 //     y += scale * dot + zero * sum(x over the group)
 // group by group. The many-row panels below sum the same chains one after another. Four
 // chains per row hide vdpbf16ps's latency at one row.
-constexpr int kChains = 4;
+// (pair_tiles.h's rule: the same chains, the same final sum)
+constexpr int kChains = llmserve_native::kPairChains;
 
 // ROWS activation rows (up to 4: 16 accumulators) x one strip.
 template <int ROWS>
@@ -107,8 +109,7 @@ void strip_rows(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
     const __m512 scale = load_bf16x16(sz + g * 2 * kStrip);
     const __m512 zero = load_bf16x16(sz + g * 2 * kStrip + kStrip);
     for (int r = 0; r < ROWS; ++r) {
-      __m512 dot = acc[r][0];
-      for (int a = 1; a < kChains; ++a) dot = _mm512_add_ps(dot, acc[r][a]);
+      const __m512 dot = llmserve_native::sum_chains(acc[r]);
       out[r] = _mm512_fmadd_ps(dot, scale, out[r]);
       out[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zero, out[r]);
     }
