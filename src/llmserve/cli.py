@@ -53,7 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "number >= the pool commits all)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-prefill-tokens-per-step", type=int, default=None)
+    g.add_argument("--max-prefill-tokens-per-step", type=int, default=512,
+                   help="prompt tokens per step, shared by the prefill chunks beside the "
+                        "decodes (default 512: first tokens sooner under load, bursts "
+                        "spread over steps; 0: no cap but --max-num-batched-tokens)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--aging-rate", type=float, default=0.1)

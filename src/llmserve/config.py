@@ -98,7 +98,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64                 # sequences per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decodes)
-    max_prefill_tokens_per_step: Optional[int] = None  # cap on prefill tokens per step
+    # prompt tokens per step (chunks of prefills); None or 0: no cap but the budget. 512
+    # measured best for TTFT under load with throughput kept (docs/BENCHMARKS.md, "A prefill
+    # cap per step")
+    max_prefill_tokens_per_step: Optional[int] = 512
     aging_rate: float = 0.1                # priority classes gained per second of waiting
     preemption_cooldown_steps: int = 4     # a preempted request is not preempted again this soon
 
@@ -108,6 +111,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 0:
+            raise ValueError("max_prefill_tokens_per_step must be >= 0 (0: no cap), got "
+                             f"{self.max_prefill_tokens_per_step}")
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
 

@@ -64,6 +64,44 @@ def test_max_prefill_tokens_per_step_caps_prefill():
     assert s.num_prefill_tokens <= 8
 
 
+def test_default_prefill_cap_spreads_a_burst_over_steps_beside_its_decodes():
+    """32 prompts of 130 tokens at once: by default each step takes at most 512 prompt
+    tokens (the burst's first tokens come out a few requests at a time, not 15 at once),
+    and from the second step on the requests already started decode in every step."""
+    core = make_core(num_blocks=4096, max_num_seqs=64)   # default budget and cap
+    assert core.scheduler.config.max_prefill_tokens_per_step == 512
+    for i in range(32):
+        core.add_request(req(f"r{i}", 130, max_tokens=16, start_tok=1000 * i))
+    started: set[str] = set()
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for r in core.scheduler.requests.values()):
+        core.step()
+        s = core.schedules[-1]
+        assert s.num_prefill_tokens <= 512
+        decodes = {x.request.request_id for x in s.scheduled if x.num_new_tokens == 1}
+        assert decodes == started              # every started request decodes each step
+        started = {rid for rid, r in core.scheduler.requests.items()
+                   if r.num_computed_tokens >= r.num_prompt_tokens}
+    assert len(core.schedules) == -(-32 * 130 // 512)    # 9 steps of prompt tokens
+    assert core.scheduler.num_preemptions == 0
+
+
+def test_prefill_cap_zero_leaves_only_the_budget():
+    core = make_core(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64,
+                     max_prefill_tokens_per_step=0)
+    for i in range(32):
+        core.add_request(req(f"r{i}", 130, max_tokens=4, start_tok=1000 * i))
+    core.step()
+    assert core.schedules[-1].num_prefill_tokens == 2048
+
+
+def test_negative_prefill_cap_is_refused():
+    from llmserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="max_prefill_tokens_per_step"):
+        SchedulerConfig(max_prefill_tokens_per_step=-1)
+
+
 def test_priority_order_and_aging(clock):
     core = make_core(max_num_seqs=1, clock=clock, aging_rate=0.1)
     core.add_request(req("batch-old", 4, priority=2, arrival=clock.t - 5))

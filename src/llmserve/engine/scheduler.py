@@ -4,12 +4,17 @@ with aging, recompute preemption and abort (no torch).
 Each step it walks the requests in priority order and gives each the tokens it needs to
 catch up with its tokens (1 for a decode, up to the rest of its prompt for a prefill)::
 
-    budget = max_num_batched_tokens           prefill cap = max_prefill_tokens_per_step
+    budget = max_num_batched_tokens (2048)    prefill cap = max_prefill_tokens_per_step (512)
     1. running requests (they hold KV): decode tokens first, then unfinished prefills;
        when a block is missing, preempt the lowest-priority, latest-arrived running
        request not yet scheduled this step (recently preempted ones are spared)
     2. waiting requests (new and preempted), only if nobody was preempted this step:
        prefix-cache lookup, then as many prompt tokens as the budget allows (chunked)
+
+The prefill cap bounds the prompt tokens of a step (all chunks together): a burst of
+prompts starts a few requests a step beside the decodes of those already running, so first
+tokens come out steadily and the requests' ends (and a closed-loop client's next requests)
+do not arrive in lock-step.
 
 Waiting requests are ordered by class rank - aging_rate * seconds waited, then arrival
 (lower runs first); running ones by class, decodes before prefills, then arrival. A
