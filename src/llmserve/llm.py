@@ -146,6 +146,8 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> None:
             c.accepted_prediction_tokens = d.accepted_prediction_tokens
             c.rejected_prediction_tokens = d.rejected_prediction_tokens
     acc.finished = delta.finished
+    if delta.prompt_logprobs is not None:   # sent once, on the first output that has them
+        acc.prompt_logprobs = delta.prompt_logprobs
     if delta.error is not None:
         acc.error = delta.error
     acc.num_cached_tokens = delta.num_cached_tokens

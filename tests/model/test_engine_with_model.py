@@ -290,3 +290,29 @@ def test_from_config_builds_and_steps_the_engine_on_one_thread(tiny_path):
         AsyncLLM.from_config(EngineConfig.from_kwargs(model=tiny_path + "/missing"))
     with pytest.raises(ValueError, match="not both"):
         AsyncLLM()
+
+
+def test_offline_generate_returns_prompt_logprobs_as_transformers_scores_them(tiny_path):
+    """`LLM.generate(..., SamplingParams(prompt_logprobs=k))` returns one entry per prompt
+    token (None for the first), each the token's logprob under the model given the tokens
+    before it, as transformers computes it, with the top-k alternatives."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:3], params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, torch_dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS[:3], outs):
+        lps = out.prompt_logprobs
+        assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos in range(1, len(prompt)):
+            entry = lps[pos]
+            assert entry.token_id == prompt[pos]
+            assert entry.logprob == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-3)
+            top = ref[pos - 1].topk(2)
+            assert [t.token_id for t in entry.top_logprobs][:2] == top.indices.tolist()
+    # no prompt_logprobs asked: none returned
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].prompt_logprobs is None

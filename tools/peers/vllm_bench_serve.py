@@ -166,6 +166,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.output_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
+    try:
+        ids = _run_rounds(args, specs, concurrencies, python, tokenizer, out, runs)
+    except (RuntimeError, TimeoutError, OSError, ValueError,
+            subprocess.CalledProcessError) as exc:
+        logger.error("%s", exc)
+        return 1
+    setup = {"model": model, "input_len": args.input_len, "output_len": args.output_len,
+             "num_prompts": args.num_prompts, "rounds": args.rounds,
+             "reference": args.reference if args.reference in ids else None,
+             "servers": {s.name: s.command for s in specs}}
+    rows = summarize(runs, setup["reference"])
+    (out / "results.json").write_text(json.dumps(
+        {"setup": setup, "summary": rows, "runs": runs}, indent=1) + "\n")
+    (out / "report.md").write_text(render_report(rows, runs, setup))
+    sys.stdout.write(render_report(rows, runs, setup))
+    return 0
+
+
+def _run_rounds(args: argparse.Namespace, specs: Sequence[ServerSpec], concurrencies: list[int],
+                python: str, tokenizer: str, out: Path, runs: list[dict]) -> dict[str, str]:
+    """Start every server, run the rounds (appending to ``runs``), stop the servers;
+    returns each server's model id."""
     with ExitStack() as stack:
         procs = []
         for spec in specs:
@@ -190,16 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  "seed": seed, "figures": figures})
                     logger.info("%s: %.1f output tok/s, TTFT p50 %.0f ms", name,
                                 figures["output_throughput"], figures["median_ttft_ms"])
-    setup = {"model": model, "input_len": args.input_len, "output_len": args.output_len,
-             "num_prompts": args.num_prompts, "rounds": args.rounds,
-             "reference": args.reference if args.reference in ids else None,
-             "servers": {s.name: s.command for s in specs}}
-    rows = summarize(runs, setup["reference"])
-    (out / "results.json").write_text(json.dumps(
-        {"setup": setup, "summary": rows, "runs": runs}, indent=1) + "\n")
-    (out / "report.md").write_text(render_report(rows, runs, setup))
-    sys.stdout.write(render_report(rows, runs, setup))
-    return 0
+    return ids
 
 
 if __name__ == "__main__":
