@@ -113,6 +113,47 @@ def test_authentication_and_model_permission(gw: ServerProcess) -> None:
     assert log["completion_tokens"] == done.usage.completion_tokens
 
 
+def test_anthropic_messages_take_x_api_key_limits_and_billing(gw: ServerProcess) -> None:
+    """The `anthropic` SDK against the gateway: x-api-key is the tenant's key, a model the
+    tenant may not use is a 403, the rate limit a 429 (Anthropic's error bodies), and a
+    served message is billed once with its usage."""
+    import anthropic
+
+    ask = [{"role": "user", "content": "Name a color."}]
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        anthropic.Anthropic(base_url=gw.base_url, api_key="sk-wrong", max_retries=0
+                            ).messages.create(model="big", max_tokens=2, messages=ask)
+    assert denied.value.body["error"]["type"] == "authentication_error"
+    beta = anthropic.Anthropic(base_url=gw.base_url, api_key=KEYS["beta"], max_retries=0)
+    with pytest.raises(anthropic.PermissionDeniedError):
+        beta.messages.create(model="small", max_tokens=2, messages=ask)
+    before = len(ledger_rows(gw.db))
+    raw = beta.messages.with_raw_response.create(model="big", max_tokens=3, messages=ask)
+    msg = raw.parse()
+    rows = ledger_rows(gw.db)
+    assert len(rows) == before + 1
+    row = rows[-1]
+    assert (row["tenant"], row["request_id"], row["status"]) == (
+        "beta", raw.headers["x-request-id"], 200)
+    assert row["completion_tokens"] == msg.usage.output_tokens
+    assert row["prompt_tokens"] == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert beta.messages.count_tokens(model="big", messages=ask).input_tokens \
+        == row["prompt_tokens"]
+    tiny = anthropic.Anthropic(base_url=gw.base_url, api_key=KEYS["tiny"], max_retries=0)
+    with cf.ThreadPoolExecutor(3) as pool:
+        outcomes = list(pool.map(lambda _: _try(lambda: tiny.messages.create(
+            model="big", max_tokens=2, messages=ask)), range(3)))
+    assert sorted(type(o).__name__ for o in outcomes).count("RateLimitError") >= 1
+    time.sleep(2)   # the tiny tenant's bucket refills for the tests after this one
+
+
+def _try(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test compares
+        return exc
+
+
 def test_rate_limit_429_and_recovery(gw: ServerProcess) -> None:
     with cf.ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda _: post(gw, "tiny", chat(max_tokens=2)), range(3)))

@@ -56,7 +56,9 @@ class FakeTokenizer:
                 ids.extend(b + len(SPECIALS) for b in piece.encode("utf-8"))
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Bytes back to text; special tokens are kept whatever ``skip_special_tokens``
+        says (the fake's callers read them)."""
         out, buf = [], bytearray()
         for i in ids:
             if i < len(SPECIALS):

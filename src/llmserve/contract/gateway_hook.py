@@ -50,7 +50,8 @@ any of steps 1b-5 (including one raised by ``preadmit``, ``prepare`` or ``admit`
 themselves), so a gateway can release what it holds for the request (an idempotency
 claim, a rate-limit reservation) in one place.
 
-``GET /v1/models`` calls ``authenticate`` only. ``/health``, ``/ready`` and
+``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize`` call ``authenticate``
+only. ``/health``, ``/ready`` and
 ``/metrics`` call no hook.
 
 In ``prepare`` a gateway may also set ``ctx.prefix_messages`` (chat messages the

@@ -28,6 +28,7 @@ from llmserve.contract.engine_client import EngineClient
 from llmserve.contract.errors import OpenAIError
 from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall, RequestContext, call_hook
 from llmserve.contract.server_limits import ServerLimits
+from llmserve.server.anthropic.routes import MessagesEndpoints, install_messages_routes
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.lora_adapters import lora_routes
@@ -37,6 +38,7 @@ from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.protocol.openapi import install_openapi
 from llmserve.server.protocol.response_shaping import has_fim_tokens
 from llmserve.server.serving import OpenAIServing
+from llmserve.server.tokenize_api import TokenizerEndpoints, install_tokenizer_routes
 from llmserve.server.ui.pages import install_ui_routes
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,10 @@ def create_app(
     if callable(register_metrics):
         register_metrics(metrics.registry)
     install_ui_routes(app, StatusSampler(metrics.registry, gateway, engines=all_engines))
+    public_models = getattr(gateway, "public_models", None)
+    tokenizers = TokenizerEndpoints(serving, public_models if callable(public_models) else dict)
+    install_tokenizer_routes(app, tokenizers)
+    install_messages_routes(app, MessagesEndpoints(serving, tokenizers))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -109,15 +109,15 @@ class OpenAIServing:
         self.max_body_bytes = self.limits.max_body_bytes
         self.input_limits = input_limits
         self._inflight: set[str] = set()
-        self._pool = FairThreadPool(self.limits.tokenizer_threads)
+        self.tokenizer_pool = FairThreadPool(self.limits.tokenizer_threads)
 
     def close(self) -> None:
         """Stop the tokenizer threads."""
-        self._pool.shutdown()
+        self.tokenizer_pool.shutdown()
 
     async def _in_thread(self, ctx: RequestContext, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking work on the pool, in the line of the request's tenant (or client)."""
-        return await self._pool.run(ctx.tenant or ctx.client or "", fn, *args)
+        return await self.tokenizer_pool.run(ctx.tenant or ctx.client or "", fn, *args)
 
     # -- steps ---------------------------------------------------------------------
 

@@ -1,0 +1,139 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API).
+
+A messages request is validated and rewritten as the chat completion body that asks for
+the same thing (:mod:`.request`), then served by :meth:`OpenAIServing.handle` on that
+body, so it passes every gateway hook, limit and billing record a chat completion does
+(the gateway sees endpoint ``chat.completions``). Its answer is rewritten back: a JSON
+message (:mod:`.response`) or Anthropic's event stream (:mod:`.stream`); errors keep
+their status and take Anthropic's body. ``x-api-key: KEY`` is accepted as
+``Authorization: Bearer KEY`` (the gateway's keys and tenants). No torch.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse, Response
+
+from llmserve.contract.errors import OpenAIError, bad_request
+from llmserve.server.anthropic.request import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_body,
+    chat_messages,
+    chat_tools,
+    check_thinking,
+)
+from llmserve.server.anthropic.response import AnthropicError, error_from_body, message_from_chat
+from llmserve.server.anthropic.stream import anthropic_events
+from llmserve.server.errors import validation_error_to_openai
+from llmserve.server.serving import OpenAIServing, read_body
+from llmserve.server.stream.sse import EventStreamResponse
+from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids
+
+_DROPPED_HEADERS = ("content-length", "content-type", "x-request-id")
+
+
+def with_body(request: Request, body: bytes) -> Request:
+    """The same request (scope, state, client, disconnects) with another JSON body, and
+    ``x-api-key`` given as a Bearer ``authorization`` when that header is absent."""
+    headers = [(k, v) for k, v in request.scope["headers"]
+               if k not in (b"content-length", b"content-type")]
+    names = {k for k, _ in headers}
+    api_key = request.headers.get("x-api-key")
+    if api_key and b"authorization" not in names:
+        headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
+    headers += [(b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode())]
+    scope = dict(request.scope)
+    scope["headers"] = headers
+    sent = False
+
+    async def receive() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await request.receive()
+
+    return Request(scope, receive)
+
+
+def _parse(model_cls: type[BaseModel], body: bytes) -> Any:
+    try:
+        data = json.loads(body.decode("utf-8")) if body.strip() else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") \
+            from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_openai(exc.errors(include_url=False), {}) from None
+
+
+class MessagesEndpoints:
+    """The two handlers, over the server's chat request path and tokenizers."""
+
+    def __init__(self, serving: OpenAIServing, tokenizers: TokenizerEndpoints) -> None:
+        self.serving = serving
+        self.tokenizers = tokenizers
+
+    async def _body(self, request: Request) -> bytes:
+        limits = self.serving.limits
+        return await read_body(request, limits.max_body_bytes, limits.body_read_timeout_s)
+
+    async def messages(self, request: Request) -> Response:
+        """Serve one messages request (see the module docstring)."""
+        try:
+            req: MessagesRequest = _parse(MessagesRequest, await self._body(request))
+            inner = with_body(request, json.dumps(chat_body(req)).encode("utf-8"))
+            response = await self.serving.handle(inner, chat=True)
+        except OpenAIError as err:
+            raise AnthropicError.of(err) from None
+        return self._translate(response, req.model, req.stop_sequences)
+
+    @staticmethod
+    def _translate(response: Any, model: str, stop: Optional[list[str]]) -> Response:
+        if isinstance(response, EventStreamResponse):
+            response.events = anthropic_events(response.events, model, stop)
+            return response
+        if not isinstance(response, JSONResponse):
+            raise AnthropicError(500, "unexpected response from the chat path")
+        body = json.loads(bytes(response.body))
+        headers = {k: v for k, v in response.headers.items() if k not in _DROPPED_HEADERS}
+        if response.status_code == 200 and "choices" in body:
+            return JSONResponse(message_from_chat(body, model, stop), headers=headers)
+        return JSONResponse(error_from_body(response.status_code, body),
+                            status_code=response.status_code, headers=headers)
+
+    async def count_tokens(self, request: Request) -> dict[str, int]:
+        """``{"input_tokens": n}``: the prompt tokens the same messages request would bill."""
+        try:
+            body = await self._body(request)
+            ctx = await self.tokenizers.authenticate(with_body(request, body), "count_tokens")
+            req: CountTokensRequest = _parse(CountTokensRequest, body)
+            check_thinking(req.thinking)
+            engine = self.tokenizers.resolve(req.model)
+            ids = await self.tokenizers.run_in_pool(
+                ctx.tenant or ctx.client or "", chat_token_ids, engine.tokenizer,
+                chat_messages(req), True, chat_tools(req).get("tools"))
+        except OpenAIError as err:
+            raise AnthropicError.of(err) from None
+        return {"input_tokens": len(ids)}
+
+
+def install_messages_routes(app: FastAPI, endpoints: MessagesEndpoints) -> None:
+    """Serve ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``. (not in /openapi.json: its
+    schema fuzzing covers the OpenAI endpoints, whose bodies it publishes)."""
+
+    @app.post("/v1/messages", include_in_schema=False)
+    async def messages(request: Request) -> Any:
+        return await endpoints.messages(request)
+
+    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    async def count_tokens(request: Request) -> Any:
+        return await endpoints.count_tokens(request)
