@@ -11,7 +11,8 @@ concurrency on every server, one server after another, so that a slow or noisy m
 all of them alike. Within a round all servers get the same random prompts (one seed per
 round and concurrency); no two rounds share prompts, so no server answers from its prefix
 cache what an earlier run already computed (``vllm bench serve``'s random dataset repeats
-its prompts for a repeated seed).
+its prompts for a repeated seed). A run that fails stops the tool (exit 1); each finished
+run's own JSON stays under ``DIR/runs/``.
 
 Writes ``DIR/results.json`` (every run's figures) and ``DIR/report.md`` (per server and
 concurrency: the median over the rounds of output tok/s, TTFT p50/mean/p99 and TPOT p50,
@@ -134,6 +135,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per client run")
     p.add_argument("--output-dir", required=True)
     return p.parse_args(argv)
 
@@ -168,8 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs: list[dict] = []
     try:
         ids = _run_rounds(args, specs, concurrencies, python, tokenizer, out, runs)
-    except (RuntimeError, TimeoutError, OSError, ValueError,
-            subprocess.CalledProcessError) as exc:
+    except (RuntimeError, TimeoutError, OSError, ValueError, KeyError, httpx.HTTPError,
+            subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         logger.error("%s", exc)
         return 1
     setup = {"model": model, "input_len": args.input_len, "output_len": args.output_len,
@@ -195,8 +197,8 @@ def _run_rounds(args: argparse.Namespace, specs: Sequence[ServerSpec], concurren
             procs.append(stack.enter_context(ServerProcess(spec, out / f"{spec.name}.log")))
         ids = {p.spec.name: served_model_id(p.url) for p in procs}
         for rnd in range(args.rounds):
-            for conc in concurrencies:
-                seed = args.first_seed + 100 * rnd + conc
+            for i, conc in enumerate(concurrencies):
+                seed = args.first_seed + rnd * len(concurrencies) + i   # never repeated
                 for proc in procs:
                     name = f"r{rnd}-c{conc}-{proc.spec.name}"
                     cmd = bench_serve_command(
@@ -205,7 +207,8 @@ def _run_rounds(args: argparse.Namespace, specs: Sequence[ServerSpec], concurren
                         output_len=args.output_len, seed=seed, result_dir=out / "runs",
                         result_file=f"{name}.json")
                     with open(out / "runs" / f"{name}.log", "wb") as log:
-                        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+                        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True,
+                                       timeout=args.run_timeout)
                     result = json.loads((out / "runs" / f"{name}.json").read_text())
                     figures = run_figures(result)
                     runs.append({"round": rnd, "concurrency": conc, "server": proc.spec.name,

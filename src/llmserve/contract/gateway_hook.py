@@ -50,8 +50,9 @@ any of steps 1b-5 (including one raised by ``preadmit``, ``prepare`` or ``admit`
 themselves), so a gateway can release what it holds for the request (an idempotency
 claim, a rate-limit reservation) in one place.
 
-``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize`` call ``authenticate``
-only. ``/health``, ``/ready`` and
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` and ``POST
+/v1/messages/count_tokens`` call ``authenticate`` only; ``POST /v1/messages`` calls it
+(endpoint ``messages``) before its body is read, then runs as a chat completion. ``/health``, ``/ready`` and
 ``/metrics`` call no hook.
 
 In ``prepare`` a gateway may also set ``ctx.prefix_messages`` (chat messages the

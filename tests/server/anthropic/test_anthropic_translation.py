@@ -56,12 +56,36 @@ def test_a_tool_conversation_becomes_the_chat_messages_in_order():
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type"),
     ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "tool_choice.name"),
     ({"messages": [{"role": "assistant", "content": [
-        {"type": "tool_result", "tool_use_id": "x", "content": "y"}]}]}, "messages[0].content"),
+        {"type": "tool_result", "tool_use_id": "x", "content": "y"}]},
+        {"role": "user", "content": "z"}]}, "messages[0].content"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(kw, where):
     with pytest.raises(OpenAIError) as info:
         chat_body(_req(**kw))
     assert info.value.status == 400 and info.value.param == where
+
+
+@pytest.mark.parametrize("messages, where", [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}],
+     "messages[1]"),
+    ([{"role": "user", "content": []}], "messages[0].content"),
+    ([{"role": "user", "content": ""}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+])
+def test_a_prefill_and_empty_or_malformed_content_are_400s(messages, where):
+    with pytest.raises(OpenAIError) as info:
+        chat_body(_req(messages=messages))
+    assert info.value.status == 400 and info.value.param == where
+    assert "pydantic" not in info.value.message
+
+
+def test_an_assistant_turn_of_only_thinking_is_left_out():
+    body = chat_body(_req(messages=[
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "...",
+                                           "signature": "s"}]},
+        {"role": "user", "content": "b"}]))
+    assert [m["role"] for m in body["messages"]] == ["user", "user"]
 
 
 def test_unknown_fields_and_a_missing_max_tokens_are_refused():

@@ -153,4 +153,24 @@ def test_x_api_key_maps_onto_the_gateways_keys(start_server: Callable[..., LiveS
     good = _client(live, "sk-good")
     assert good.messages.create(model="fake-model", max_tokens=4, messages=ASK).content
     assert good.messages.count_tokens(model="fake-model", messages=ASK).input_tokens > 0
-    assert gw.tenants == ["chat.completions", "count_tokens"]
+    assert gw.tenants == ["messages", "chat.completions", "count_tokens"]
+    # a caller without a key gets the 401 before its body is looked at
+    raw = httpx.post(live.url("/v1/messages"), content=b"{not json", timeout=10)
+    assert raw.status_code == 401 and raw.json()["error"]["type"] == "authentication_error"
+
+
+class BrokenGateway(Gateway):
+    async def authenticate(self, ctx: RequestContext) -> None:
+        raise RuntimeError("a bug in the gateway")
+
+
+def test_an_unexpected_error_is_a_500_in_anthropics_shape(
+        start_server: Callable[..., LiveServer]):
+    live = start_server(FakeEngine(), gateway=BrokenGateway())
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        raw = httpx.post(live.url(path), json={"model": "fake-model", "max_tokens": 2,
+                                               "messages": ASK}, timeout=10)
+        assert raw.status_code == 500
+        assert raw.json() == {"type": "error", "error": {
+            "type": "api_error", "message": "The server had an error while processing your "
+                                            "request"}}

@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmserve.contract.errors import bad_request
+from llmserve.server.errors import validation_error_to_openai
 
 _CLOSED = ConfigDict(extra="forbid")
 
@@ -163,10 +164,17 @@ def _blocks(content: Union[str, list[dict[str, Any]]], where: str) -> list[Any]:
                               param=f"{where}.content[{i}].type")
         try:
             out.append(cls.model_validate(raw))
-        except ValueError as exc:
-            raise bad_request(f"{where}.content[{i}]: {exc}", param=f"{where}.content[{i}]") \
-                from None
+        except ValidationError as exc:
+            errors = [dict(e, loc=(*where_loc(where), "content", i, *e["loc"]))
+                      for e in exc.errors(include_url=False)]
+            raise validation_error_to_openai(errors, {}) from None
     return out
+
+
+def where_loc(where: str) -> tuple[Any, ...]:
+    """``messages[3]`` as a pydantic location, ``("messages", 3)``."""
+    name, _, index = where.partition("[")
+    return (name, int(index.rstrip("]"))) if index else (name,)
 
 
 def _text(blocks: Union[str, list[TextBlock], None]) -> str:
@@ -180,9 +188,20 @@ def chat_messages(req: Union[MessagesRequest, CountTokensRequest]) -> list[dict[
     out: list[dict[str, Any]] = []
     if _text(req.system):
         out.append({"role": "system", "content": _text(req.system)})
+    last = len(req.messages) - 1
     for i, msg in enumerate(req.messages):
         blocks = _blocks(msg.content, f"messages[{i}]")
         text = "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if not text and not any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for b in blocks):
+            if msg.role == "assistant" and blocks and not any(
+                    isinstance(b, TextBlock) for b in blocks):
+                continue     # only thinking blocks: nothing this server shows the model
+            raise bad_request(f"messages[{i}]: the content must not be empty",
+                              param=f"messages[{i}].content")
+        if msg.role == "assistant" and i == last:
+            raise bad_request("a final assistant message (a prefill for the answer to "
+                              "continue) is not supported; end with a user message",
+                              param=f"messages[{i}]")
         if msg.role == "assistant":
             if any(isinstance(b, ToolResultBlock) for b in blocks):
                 raise bad_request(f"messages[{i}]: tool_result blocks belong in user messages",

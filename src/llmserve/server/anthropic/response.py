@@ -60,7 +60,7 @@ def error_from_body(status: int, body: Any) -> dict[str, Any]:
 def stop_reason(finish_reason: Optional[str], matched: Any,
                 stop_sequences: Optional[list[str]]) -> tuple[Optional[str], Optional[str]]:
     """(stop_reason, stop_sequence) for a choice's ``finish_reason`` and ``stop_reason``."""
-    if finish_reason == "length":
+    if finish_reason in ("length", "abort"):   # abort: a stored stream that was cut short
         return "max_tokens", None
     if finish_reason == "tool_calls":
         return "tool_use", None

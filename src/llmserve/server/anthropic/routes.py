@@ -11,6 +11,7 @@ their status and take Anthropic's body. ``x-api-key: KEY`` is accepted as
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -30,8 +31,10 @@ from llmserve.server.anthropic.response import AnthropicError, error_from_body, 
 from llmserve.server.anthropic.stream import anthropic_events
 from llmserve.server.errors import validation_error_to_openai
 from llmserve.server.serving import OpenAIServing, read_body
-from llmserve.server.stream.sse import EventStreamResponse
+from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse
 from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids
+
+logger = logging.getLogger(__name__)
 
 _DROPPED_HEADERS = ("content-length", "content-type", "x-request-id")
 
@@ -75,6 +78,11 @@ def _parse(model_cls: type[BaseModel], body: bytes) -> Any:
         raise validation_error_to_openai(exc.errors(include_url=False), {}) from None
 
 
+def _internal(exc: Exception) -> AnthropicError:
+    logger.exception("unexpected error serving an Anthropic messages request", exc_info=exc)
+    return AnthropicError(500, "The server had an error while processing your request")
+
+
 class MessagesEndpoints:
     """The two handlers, over the server's chat request path and tokenizers."""
 
@@ -87,13 +95,20 @@ class MessagesEndpoints:
         return await read_body(request, limits.max_body_bytes, limits.body_read_timeout_s)
 
     async def messages(self, request: Request) -> Response:
-        """Serve one messages request (see the module docstring)."""
+        """Serve one messages request (see the module docstring). The caller is
+        authenticated before the body is read (a 401 before any 400), and again, as a
+        chat completion, by the request path."""
         try:
+            await self.tokenizers.authenticate(with_body(request, b""), "messages")
             req: MessagesRequest = _parse(MessagesRequest, await self._body(request))
-            inner = with_body(request, json.dumps(chat_body(req)).encode("utf-8"))
-            response = await self.serving.handle(inner, chat=True)
+            body = json.dumps(chat_body(req), ensure_ascii=False).encode("utf-8")
+            response = await self.serving.handle(with_body(request, body), chat=True)
         except OpenAIError as err:
             raise AnthropicError.of(err) from None
+        except ClientDisconnected:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Anthropic's shape for the catch-all 500
+            raise _internal(exc) from None
         return self._translate(response, req.model, req.stop_sequences)
 
     @staticmethod
@@ -113,9 +128,8 @@ class MessagesEndpoints:
     async def count_tokens(self, request: Request) -> dict[str, int]:
         """``{"input_tokens": n}``: the prompt tokens the same messages request would bill."""
         try:
-            body = await self._body(request)
-            ctx = await self.tokenizers.authenticate(with_body(request, body), "count_tokens")
-            req: CountTokensRequest = _parse(CountTokensRequest, body)
+            ctx = await self.tokenizers.authenticate(with_body(request, b""), "count_tokens")
+            req: CountTokensRequest = _parse(CountTokensRequest, await self._body(request))
             check_thinking(req.thinking)
             engine = self.tokenizers.resolve(req.model)
             ids = await self.tokenizers.run_in_pool(
@@ -123,6 +137,8 @@ class MessagesEndpoints:
                 chat_messages(req), True, chat_tools(req).get("tools"))
         except OpenAIError as err:
             raise AnthropicError.of(err) from None
+        except Exception as exc:  # noqa: BLE001 - Anthropic's shape for the catch-all 500
+            raise _internal(exc) from None
         return {"input_tokens": len(ids)}
 
 

@@ -150,6 +150,9 @@ async def anthropic_events(chat_events: AsyncIterator[bytes], model: str,
                     yield event
             if translator.done:
                 break
+        if translator.started and not translator.done:   # ended without [DONE]
+            for event in translator.finish_events():
+                yield event
     finally:
         aclose = getattr(iterator, "aclose", None)
         if aclose is not None:
