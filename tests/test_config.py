@@ -43,3 +43,12 @@ def test_every_section_field_has_exactly_one_flag():
 def test_bad_flags_fail_with_a_clear_message(kwargs, error, match):
     with pytest.raises(error, match=match):
         EngineConfig.from_kwargs(**kwargs)
+
+
+def test_json_whitespace_is_flexible_by_default_and_checked():
+    from llmserve.config import EngineConfig
+
+    assert EngineConfig().model.json_whitespace == "flexible"
+    assert EngineConfig.from_kwargs(json_whitespace="compact").model.json_whitespace == "compact"
+    with pytest.raises(ValueError, match="json_whitespace"):
+        EngineConfig.from_kwargs(json_whitespace="pretty")

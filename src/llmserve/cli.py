@@ -69,6 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(wait) or in a child process while steps run eagerly (background; "
                         "serve's default)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"])
+    g.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
+                   help="JSON answers (response_format, structured_outputs json): flexible "
+                        "allows whitespace between tokens, as vLLM does (pretty-printed JSON, "
+                        "what models were trained on); compact allows none")
     s = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
     s.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="ngram: prompt lookup (no extra model); draft: a smaller model with "
@@ -121,6 +125,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         int4_activations=args.int4_activations,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        json_whitespace=args.json_whitespace,
         compile_in_background=getattr(args, "startup_compile", None) == "background",
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,

@@ -45,6 +45,7 @@ class ModelOptions:
     enforce_eager: Optional[bool] = None   # True: never compile; None: env LLMSERVE_ENFORCE_EAGER, else compile
     compile_in_background: bool = False   # graphs not saved yet: compiled by a child process while steps run eagerly (serve's default)
     attention_backend: str = "auto"        # auto (paged) | paged | reference
+    json_whitespace: str = "flexible"      # JSON answers (response_format...): flexible (whitespace between tokens, as vLLM) | compact
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +59,9 @@ class ModelOptions:
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
                              f"got {self.int4_activations!r}")
+        if self.json_whitespace not in ("flexible", "compact"):
+            raise ValueError(f"json_whitespace must be one of flexible, compact; "
+                             f"got {self.json_whitespace!r}")
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise ValueError(f"attention_backend must be one of auto, paged, reference; "
                              f"got {self.attention_backend!r}")

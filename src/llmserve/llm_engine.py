@@ -83,7 +83,8 @@ class LLMEngine:
         self.runner = self.executor.runner
         #: structured-output grammars for this tokenizer (compiled off the engine thread by
         #: AsyncLLM; inline by a synchronous add_request)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos,
+                                        json_whitespace=config.model.json_whitespace)
         self.dtype = str(self.runner.dtype).replace("torch.", "")
         self.kv_dtype = str(self.runner.kv_dtype).replace("torch.", "")
         pool_tokens = self.runner.num_blocks * config.cache.block_size
@@ -129,6 +130,7 @@ class LLMEngine:
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
             "block_size": self.config.cache.block_size,
+            "json_whitespace": self.config.model.json_whitespace,   # structured answers
         }
         blob = json.dumps(parts, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()

@@ -65,3 +65,24 @@ def test_unsupported_schema_feature_is_named(compiler):
 
     with pytest.raises(UnsupportedGrammarError, match="uniqueItems"):
         compiler.compile(StructuredOutputSpec("json", {"type": "array", "uniqueItems": True}))
+
+
+@pytest.mark.parametrize("whitespace, pretty_ok", [("flexible", True), ("compact", False)])
+def test_json_whitespace_decides_whether_pretty_printed_json_is_allowed(whitespace, pretty_ok):
+    """--json-whitespace flexible (the default) lets a JSON answer carry newlines and
+    indentation between its tokens, as vLLM does; compact allows only '{"a":12,...}'."""
+    tok = default_tokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids,
+                               json_whitespace=whitespace)
+    grammar = compiler.compile(StructuredOutputSpec("json", SCHEMA))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.new_matcher()
+        return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    assert accepts('{"a":12,"b":"x"}')
+    assert accepts('{\n  "a": 12,\n  "b": "x"\n}') is pretty_ok
+    assert not accepts('{"a":"12","b":"x"}')       # the schema still holds either way
+    with pytest.raises(ValueError, match="json_whitespace"):
+        GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids, json_whitespace="pretty")

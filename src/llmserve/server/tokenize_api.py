@@ -17,6 +17,7 @@ tokenizer). No torch.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -62,16 +63,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _parse(model_cls: type[BaseModel], data: Any) -> Any:
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error_to_openai(exc.errors(include_url=False), {}) from None
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    import json
-
+def json_object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object; a 400 (OpenAI shape) otherwise."""
     try:
         data = json.loads(body.decode("utf-8")) if body.strip() else None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -80,6 +73,19 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
     return data
+
+
+def validated(model_cls: type[BaseModel], data: dict[str, Any]) -> Any:
+    """``data`` as a ``model_cls``; a 400 (OpenAI shape) naming the field otherwise."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_openai(exc.errors(include_url=False), {}) from None
+
+
+def parse_json_body(model_cls: type[BaseModel], body: bytes) -> Any:
+    """``body`` as a ``model_cls`` (:func:`json_object`, then :func:`validated`)."""
+    return validated(model_cls, json_object(body))
 
 
 class TokenizerEndpoints:
@@ -123,8 +129,8 @@ class TokenizerEndpoints:
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         ctx = await self.authenticate(request, "tokenize")
-        data = _json_object(await self.read_body(request))
-        req: Union[TokenizeTextRequest, TokenizeChatRequest] = _parse(
+        data = json_object(await self.read_body(request))
+        req: Union[TokenizeTextRequest, TokenizeChatRequest] = validated(
             TokenizeChatRequest if "messages" in data else TokenizeTextRequest, data)
         engine = self.resolve(req.model)
         tok = engine.tokenizer
@@ -141,8 +147,8 @@ class TokenizerEndpoints:
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
         ctx = await self.authenticate(request, "detokenize")
-        req: DetokenizeRequest = _parse(DetokenizeRequest,
-                                        _json_object(await self.read_body(request)))
+        req: DetokenizeRequest = parse_json_body(DetokenizeRequest,
+                                                 await self.read_body(request))
         engine = self.resolve(req.model)
         tok = engine.tokenizer
         vocab = getattr(tok, "vocab_size", None)
@@ -179,8 +185,8 @@ def chat_token_ids(tok: Any, messages: list[dict[str, Any]], add_generation_prom
 
 
 def install_tokenizer_routes(app: FastAPI, endpoints: TokenizerEndpoints) -> None:
-    """Serve ``POST /tokenize`` and ``POST /detokenize``. (not in /openapi.json: its
-    schema fuzzing covers the OpenAI endpoints, whose bodies it publishes)."""
+    """Serve ``POST /tokenize`` and ``POST /detokenize`` (left out of /openapi.json, whose
+    schema fuzzing covers the OpenAI endpoints)."""
 
     @app.post("/tokenize", include_in_schema=False)
     async def tokenize(request: Request) -> Any:

@@ -18,7 +18,13 @@ import threading
 import time
 from typing import Any, Collection, Optional
 
-from llmserve.structured_output.spec import StructuredOutputSpec, UnsupportedGrammarError, check_spec, describe_error
+from llmserve.structured_output.spec import (
+    StructuredOutputSpec,
+    UnsupportedGrammarError,
+    check_spec,
+    describe_error,
+    json_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +53,11 @@ class GrammarCompiler:
     """Compiles StructuredOutputSpecs for one tokenizer (see module docstring)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, json_whitespace: str = "flexible") -> None:
+        """``json_whitespace``: ``flexible`` or ``compact`` JSON answers (:func:`json_options`)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.json_options = json_options(json_whitespace)
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted(int(t) for t in eos_token_ids))
@@ -98,7 +106,7 @@ class GrammarCompiler:
 
         lltok = self.lltokenizer
         t0 = time.perf_counter()
-        grammar = check_spec(spec, lltok)
+        grammar = check_spec(spec, lltok, self.json_options)
         template = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if template.is_error():
             raise UnsupportedGrammarError(describe_error(spec, template.get_error()))

@@ -29,8 +29,26 @@ from functools import cached_property
 from typing import Any, Optional
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
-#: JSON compile options: compact separators, no whitespace between tokens.
+#: JSON compile options: compact separators, no whitespace between tokens (tool calls).
 JSON_OPTIONS = {"whitespace_flexible": False}
+#: ``--json-whitespace``: what may stand between the tokens of a JSON answer.
+JSON_WHITESPACE = ("flexible", "compact")
+#: ``flexible``'s whitespace between two JSON tokens: a few spaces, or one line break and
+#: an indentation (pretty-printed JSON); bounded, so that sampling cannot wander into an
+#: endless run of blank lines.
+FLEXIBLE_WHITESPACE = r"[\x20\x09]{1,4}|\x0D?\x0A[\x20\x09]{0,32}"
+
+
+def json_options(whitespace: str) -> dict[str, Any]:
+    """llguidance's JSON options for ``--json-whitespace``: ``flexible`` allows spaces, tabs
+    and newlines between JSON tokens (pretty-printed JSON, as vLLM allows by default);
+    ``compact`` allows none."""
+    if whitespace not in JSON_WHITESPACE:
+        raise ValueError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}; "
+                         f"got {whitespace!r}")
+    if whitespace == "compact":
+        return {"whitespace_flexible": False}
+    return {"whitespace_flexible": True, "whitespace_pattern": FLEXIBLE_WHITESPACE}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 #: Largest grammar source accepted (characters of its JSON / text).
 MAX_SPEC_CHARS = 256 * 1024
@@ -87,8 +105,11 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def grammar_text(spec: StructuredOutputSpec) -> str:
-    """The llguidance grammar (serialized) that enforces ``spec``."""
+def grammar_text(spec: StructuredOutputSpec,
+                 options: Optional[dict[str, Any]] = None) -> str:
+    """The llguidance grammar (serialized) that enforces ``spec`` (``options``: the JSON
+    compile options of :func:`json_options`, compact by default)."""
+    options = JSON_OPTIONS if options is None else options
     from llguidance import LLMatcher
 
     if len(spec.source) > MAX_SPEC_CHARS:
@@ -96,9 +117,9 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
             f"the {spec.kind} constraint is too large ({len(spec.source)} characters; "
             f"at most {MAX_SPEC_CHARS})")
     if spec.kind == "json":
-        return LLMatcher.grammar_from_json_schema(json.dumps(spec.value), defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(json.dumps(spec.value), defaults=options)
     if spec.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":
@@ -130,13 +151,15 @@ def describe_error(spec: StructuredOutputSpec, message: str) -> str:
     return f"invalid {what}: {detail}"
 
 
-def check_spec(spec: StructuredOutputSpec, tokenizer: Optional[Any] = None) -> str:
+def check_spec(spec: StructuredOutputSpec, tokenizer: Optional[Any] = None,
+               options: Optional[dict[str, Any]] = None) -> str:
     """Validate ``spec``; return its grammar. Raises UnsupportedGrammarError naming the
-    unsupported feature or the error (``tokenizer``: an llguidance LLTokenizer, optional)."""
+    unsupported feature or the error (``tokenizer``: an llguidance LLTokenizer, optional;
+    ``options``: JSON compile options, :func:`json_options`)."""
     from llguidance import LLMatcher
 
     try:
-        grammar = grammar_text(spec)
+        grammar = grammar_text(spec, options)
     except UnsupportedGrammarError:
         raise
     except ValueError as exc:

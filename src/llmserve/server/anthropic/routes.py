@@ -15,10 +15,9 @@ import logging
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from llmserve.contract.errors import OpenAIError, bad_request
+from llmserve.contract.errors import OpenAIError
 from llmserve.server.anthropic.request import (
     CountTokensRequest,
     MessagesRequest,
@@ -29,10 +28,9 @@ from llmserve.server.anthropic.request import (
 )
 from llmserve.server.anthropic.response import AnthropicError, error_from_body, message_from_chat
 from llmserve.server.anthropic.stream import anthropic_events
-from llmserve.server.errors import validation_error_to_openai
 from llmserve.server.serving import OpenAIServing, read_body
 from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse
-from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids
+from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids, parse_json_body
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +62,6 @@ def with_body(request: Request, body: bytes) -> Request:
     return Request(scope, receive)
 
 
-def _parse(model_cls: type[BaseModel], body: bytes) -> Any:
-    try:
-        data = json.loads(body.decode("utf-8")) if body.strip() else None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") \
-            from None
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object", code="invalid_json")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error_to_openai(exc.errors(include_url=False), {}) from None
-
-
 def _internal(exc: Exception) -> AnthropicError:
     logger.exception("unexpected error serving an Anthropic messages request", exc_info=exc)
     return AnthropicError(500, "The server had an error while processing your request")
@@ -100,7 +84,7 @@ class MessagesEndpoints:
         chat completion, by the request path."""
         try:
             await self.tokenizers.authenticate(with_body(request, b""), "messages")
-            req: MessagesRequest = _parse(MessagesRequest, await self._body(request))
+            req: MessagesRequest = parse_json_body(MessagesRequest, await self._body(request))
             body = json.dumps(chat_body(req), ensure_ascii=False).encode("utf-8")
             response = await self.serving.handle(with_body(request, body), chat=True)
         except OpenAIError as err:
@@ -129,7 +113,7 @@ class MessagesEndpoints:
         """``{"input_tokens": n}``: the prompt tokens the same messages request would bill."""
         try:
             ctx = await self.tokenizers.authenticate(with_body(request, b""), "count_tokens")
-            req: CountTokensRequest = _parse(CountTokensRequest, await self._body(request))
+            req: CountTokensRequest = parse_json_body(CountTokensRequest, await self._body(request))
             check_thinking(req.thinking)
             engine = self.tokenizers.resolve(req.model)
             ids = await self.tokenizers.run_in_pool(
@@ -143,8 +127,8 @@ class MessagesEndpoints:
 
 
 def install_messages_routes(app: FastAPI, endpoints: MessagesEndpoints) -> None:
-    """Serve ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``. (not in /openapi.json: its
-    schema fuzzing covers the OpenAI endpoints, whose bodies it publishes)."""
+    """Serve ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (left out of
+    /openapi.json, whose schema fuzzing covers the OpenAI endpoints)."""
 
     @app.post("/v1/messages", include_in_schema=False)
     async def messages(request: Request) -> Any:
