@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.engine_client import EngineClient, TokenizerLike
 from llmserve.contract.errors import OpenAIError, bad_request
 from llmserve.contract.gateway_hook import RequestContext, call_hook
 from llmserve.server.errors import validation_error_to_openai
@@ -162,11 +162,11 @@ class TokenizerEndpoints:
         return {"prompt": text}
 
 
-def _text_ids(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+def _text_ids(tok: TokenizerLike, text: str, add_special_tokens: bool) -> list[int]:
     return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
 
-def chat_token_ids(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+def chat_token_ids(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,
                    tools: Optional[list[Any]]) -> list[int]:
     """The prompt ``/v1/chat/completions`` builds for these messages and tools (the same
     validation, template and tool preamble); 400 for what that request would refuse."""
