@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from llmserve.config import INT4_ACTIVATIONS, EngineConfig
+from llmserve.structured_output.spec import JSON_WHITESPACE
 
 if TYPE_CHECKING:
     from llmserve.contract.server_limits import ServerLimits
@@ -69,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(wait) or in a child process while steps run eagerly (background; "
                         "serve's default)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"])
-    g.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
+    g.add_argument("--json-whitespace", default="flexible", choices=list(JSON_WHITESPACE),
                    help="JSON answers (response_format, structured_outputs json): flexible "
                         "allows whitespace between tokens, as vLLM does (pretty-printed JSON, "
                         "what models were trained on); compact allows none")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from llmserve.spec_decode.config import SpecDecodeConfig
+from llmserve.structured_output.spec import JSON_WHITESPACE
 
 INT4_ACTIVATIONS = ("auto", "int8", "bf16")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -59,8 +60,8 @@ class ModelOptions:
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
                              f"got {self.int4_activations!r}")
-        if self.json_whitespace not in ("flexible", "compact"):
-            raise ValueError(f"json_whitespace must be one of flexible, compact; "
+        if self.json_whitespace not in JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}; "
                              f"got {self.json_whitespace!r}")
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise ValueError(f"attention_backend must be one of auto, paged, reference; "

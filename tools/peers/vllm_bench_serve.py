@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,13 @@ from typing import Optional, Sequence
 
 import httpx
 
-from llmserve.bench.compare import ServerProcess, ServerSpec, vllm_model_dir, vllm_spec
+from llmserve.bench.compare import (
+    ServerProcess,
+    ServerSpec,
+    server_spec_from_arg,
+    vllm_model_dir,
+    vllm_spec,
+)
 from llmserve.bench.peers import PeerSettings, find_vllm_python
 
 logger = logging.getLogger(__name__)
@@ -149,12 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = resolve_model_path(args.model)
         concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
         python = str(find_vllm_python())   # the client runs from vLLM's venv
-        specs: list[ServerSpec] = []
-        for item in args.server:
-            name, sep, command = item.partition("=")
-            if not sep or not name.strip() or not command.strip():
-                raise ValueError(f"--server needs NAME=COMMAND, got {item!r}")
-            specs.append(ServerSpec(name.strip(), shlex.split(command)))
+        specs = [server_spec_from_arg(item, "--server") for item in args.server]
         if args.vllm:
             longest = args.input_len + args.output_len + 64
             specs.append(vllm_spec(model, PeerSettings(

@@ -144,7 +144,7 @@ def peer_settings_from_args(args: argparse.Namespace, options: "BenchOptions",
 
 def bench_compare_command(args: argparse.Namespace) -> int:
     """Handler of ``bench compare``."""
-    from llmserve.bench.compare import ServerSpec, builtin_server_specs, run_compare
+    from llmserve.bench.compare import builtin_server_specs, run_compare, server_spec_from_arg
     from llmserve.bench.peers import busy_cpu_warning
     from llmserve.bench.runner import make_specs
     from llmserve.default_model import resolve_model_path
@@ -161,11 +161,7 @@ def bench_compare_command(args: argparse.Namespace) -> int:
         servers = [] if model is None or args.servers == "none" else builtin_server_specs(
             model, "auto" if args.servers == "auto" else args.servers.split(","),
             peer_settings_from_args(args, options, specs))
-        for item in args.extra_server or []:
-            name, sep, command = item.partition("=")
-            if not sep or not name or not command.strip():
-                raise ValueError(f"--extra-server needs NAME=COMMAND, got {item!r}")
-            servers.append(ServerSpec(name.strip(), shlex.split(command)))
+        servers += [server_spec_from_arg(item) for item in args.extra_server or []]
         if not servers:
             raise ValueError("no server to compare: use --servers or --extra-server")
         for s in servers:

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -69,6 +70,14 @@ class ServerSpec:
     ready_paths: tuple[str, ...] = ("/health", "/v1/models")
     ready_timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
+
+
+def server_spec_from_arg(item: str, flag: str = "--extra-server") -> ServerSpec:
+    """A ``NAME=COMMAND`` argument as a ServerSpec (ValueError naming ``flag`` otherwise)."""
+    name, sep, command = item.partition("=")
+    if not sep or not name.strip() or not command.strip():
+        raise ValueError(f"{flag} needs NAME=COMMAND, got {item!r}")
+    return ServerSpec(name.strip(), shlex.split(command))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.contract.engine_client import EngineClient
 from llmserve.contract.errors import OpenAIError
-from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall, RequestContext, call_hook
+from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall
 from llmserve.contract.server_limits import ServerLimits
 from llmserve.server.anthropic.routes import MessagesEndpoints, install_messages_routes
 from llmserve.server.errors import install_error_handlers
@@ -141,13 +141,7 @@ def create_app(
         return card
 
     async def authenticate(request: Request) -> None:
-        state = request.scope.get("state", {})
-        ctx = RequestContext(
-            request_id=state.get("request_id", ""), endpoint="models",
-            headers={k.lower(): v for k, v in request.headers.items()},
-            client=request.client.host if request.client else None,
-            arrival_time=state.get("arrival_time", time.time()))
-        await call_hook(gateway, "authenticate", ctx)
+        await tokenizers.authenticate(request, "models")
 
     def public_cards() -> dict[str, dict[str, Any]]:
         """The gateway's public names (releases), each shown like its current target."""

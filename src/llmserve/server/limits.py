@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from llmserve.contract.errors import OpenAIError, bad_request
 
@@ -133,3 +133,16 @@ def _check_completion(req: Any, limits: RequestLimits) -> None:
         raise bad_request(f"the prompt holds {ids} token ids; at most "
                           f"{limits.max_prompt_token_ids} are allowed", param="prompt",
                           code="prompt_too_large")
+
+
+def check_token_ids(tokenizer: Any, ids: Sequence[int], where: str, param: str) -> None:
+    """A 400 naming ``where`` when an id of ``ids`` lies outside ``tokenizer``'s vocabulary
+    (``vocab_size``, else its length; only negative ids are refused when it has neither)."""
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(vocab, int) and hasattr(tokenizer, "__len__"):
+        vocab = len(tokenizer)   # a tokenizer without vocab_size
+    for t in ids:
+        if t < 0 or (isinstance(vocab, int) and t >= vocab):
+            raise bad_request(f"{where} contains token id {t} outside the vocabulary"
+                              + (f" [0, {vocab})" if isinstance(vocab, int) else ""),
+                              param=param)

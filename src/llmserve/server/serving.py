@@ -31,7 +31,7 @@ from llmserve.server.errors import value_error_to_openai
 from llmserve.server.fair_pool import FairThreadPool
 from llmserve.server.generation import GenerationRun
 from llmserve.server.headers import unsendable_header
-from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
+from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits, check_token_ids
 from llmserve.server.metrics.prometheus import RequestTimer, ServerMetrics
 from llmserve.server.protocol.openai import (
     MAX_CHOICES_PER_REQUEST,
@@ -144,20 +144,12 @@ class OpenAIServing:
                 raise bad_request("suffix needs text prompts", param="suffix",
                                   code=INCOMPATIBLE_PARAMETERS)
             return [fim_prompt(tok, p, suffix) for p in prompts]  # type: ignore[arg-type]
-        vocab = getattr(tok, "vocab_size", None)
-        if not isinstance(vocab, int) and hasattr(tok, "__len__"):
-            vocab = len(tok)  # type: ignore[arg-type]  # a tokenizer without vocab_size
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 out.append(list(tok.encode(p, add_special_tokens=True)))
                 continue
-            for t in p:
-                if t < 0 or (isinstance(vocab, int) and t >= vocab):
-                    where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                    raise bad_request(f"{where} contains token id {t} outside the vocabulary"
-                                      + (f" [0, {vocab})" if isinstance(vocab, int) else ""),
-                                      param="prompt")
+            check_token_ids(tok, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]", "prompt")
             out.append(list(p))
         return out
 

@@ -28,6 +28,7 @@ from llmserve.contract.engine_client import EngineClient, TokenizerLike
 from llmserve.contract.errors import OpenAIError, bad_request
 from llmserve.contract.gateway_hook import RequestContext, call_hook
 from llmserve.server.errors import validation_error_to_openai
+from llmserve.server.limits import check_token_ids
 from llmserve.server.protocol.openai import ChatMessage
 from llmserve.server.protocol.tool_calls import check_tools
 from llmserve.server.serving import OpenAIServing, read_body
@@ -134,14 +135,15 @@ class TokenizerEndpoints:
             TokenizeChatRequest if "messages" in data else TokenizeTextRequest, data)
         engine = self.resolve(req.model)
         tok = engine.tokenizer
+        key = ctx.tenant or ctx.client or ""
         if isinstance(req, TokenizeChatRequest):
-            ids = await self.run_in_pool(ctx.tenant or ctx.client or "", chat_token_ids, tok,
-                                         req.messages, req.add_generation_prompt, req.tools)
+            ids = await self.run_in_pool(key, chat_token_ids, tok, req.messages,
+                                         req.add_generation_prompt, req.tools)
         else:
-            ids = await self.run_in_pool(ctx.tenant or ctx.client or "", _text_ids, tok,
-                                         req.prompt, req.add_special_tokens)
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] \
-            if req.return_token_strs else None
+            ids = await self.run_in_pool(key, _text_ids, tok, req.prompt,
+                                         req.add_special_tokens)
+        strs = await self.run_in_pool(key, _pieces, tok, ids) if req.return_token_strs \
+            else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
@@ -151,12 +153,7 @@ class TokenizerEndpoints:
                                                  await self.read_body(request))
         engine = self.resolve(req.model)
         tok = engine.tokenizer
-        vocab = getattr(tok, "vocab_size", None)
-        for i, t in enumerate(req.tokens):
-            if t < 0 or (isinstance(vocab, int) and t >= vocab):
-                raise bad_request(f"tokens[{i}] = {t} is outside the vocabulary"
-                                  + (f" [0, {vocab})" if isinstance(vocab, int) else ""),
-                                  param="tokens")
+        check_token_ids(tok, req.tokens, "tokens", "tokens")
         text = await self.run_in_pool(ctx.tenant or ctx.client or "", tok.decode, req.tokens,
                                       False)
         return {"prompt": text}
@@ -164,6 +161,10 @@ class TokenizerEndpoints:
 
 def _text_ids(tok: TokenizerLike, text: str, add_special_tokens: bool) -> list[int]:
     return list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _pieces(tok: TokenizerLike, ids: list[int]) -> list[str]:
+    return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
 
 def chat_token_ids(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -47,7 +47,7 @@ def json_options(whitespace: str) -> dict[str, Any]:
         raise ValueError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}; "
                          f"got {whitespace!r}")
     if whitespace == "compact":
-        return {"whitespace_flexible": False}
+        return dict(JSON_OPTIONS)
     return {"whitespace_flexible": True, "whitespace_pattern": FLEXIBLE_WHITESPACE}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 #: Largest grammar source accepted (characters of its JSON / text).

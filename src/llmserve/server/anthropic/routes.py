@@ -28,7 +28,7 @@ from llmserve.server.anthropic.request import (
 )
 from llmserve.server.anthropic.response import AnthropicError, error_from_body, message_from_chat
 from llmserve.server.anthropic.stream import anthropic_events
-from llmserve.server.serving import OpenAIServing, read_body
+from llmserve.server.serving import OpenAIServing
 from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse
 from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids, parse_json_body
 
@@ -74,17 +74,13 @@ class MessagesEndpoints:
         self.serving = serving
         self.tokenizers = tokenizers
 
-    async def _body(self, request: Request) -> bytes:
-        limits = self.serving.limits
-        return await read_body(request, limits.max_body_bytes, limits.body_read_timeout_s)
-
     async def messages(self, request: Request) -> Response:
         """Serve one messages request (see the module docstring). The caller is
         authenticated before the body is read (a 401 before any 400), and again, as a
         chat completion, by the request path."""
         try:
             await self.tokenizers.authenticate(with_body(request, b""), "messages")
-            req: MessagesRequest = parse_json_body(MessagesRequest, await self._body(request))
+            req: MessagesRequest = parse_json_body(MessagesRequest, await self.tokenizers.read_body(request))
             body = json.dumps(chat_body(req), ensure_ascii=False).encode("utf-8")
             response = await self.serving.handle(with_body(request, body), chat=True)
         except OpenAIError as err:
@@ -113,7 +109,7 @@ class MessagesEndpoints:
         """``{"input_tokens": n}``: the prompt tokens the same messages request would bill."""
         try:
             ctx = await self.tokenizers.authenticate(with_body(request, b""), "count_tokens")
-            req: CountTokensRequest = parse_json_body(CountTokensRequest, await self._body(request))
+            req: CountTokensRequest = parse_json_body(CountTokensRequest, await self.tokenizers.read_body(request))
             check_thinking(req.thinking)
             engine = self.tokenizers.resolve(req.model)
             ids = await self.tokenizers.run_in_pool(

@@ -51,7 +51,7 @@ class MessageStreamTranslator:
         self.started = False
         self.index = -1                 # the open content block, -1 when none
         self.open_kind: Optional[str] = None
-        self.tool_blocks: dict[int, int] = {}   # chat tool-call index -> block index
+        self.tool_calls_seen: set[int] = set()   # chat tool-call indexes given a block
         self.finish: tuple[Optional[str], Optional[str]] = (None, None)
         self.usage: Optional[dict[str, Any]] = None
         self.done = False
@@ -106,10 +106,10 @@ class MessageStreamTranslator:
             for call in delta.get("tool_calls") or []:
                 key = int(call.get("index", 0))
                 fn = call.get("function") or {}
-                if key not in self.tool_blocks:
+                if key not in self.tool_calls_seen:
                     out += self._open("tool_use", {"type": "tool_use", "id": call.get("id"),
                                                    "name": fn.get("name"), "input": {}})
-                    self.tool_blocks[key] = self.index
+                    self.tool_calls_seen.add(key)
                 if fn.get("arguments"):
                     out.append(self._delta({"type": "input_json_delta",
                                             "partial_json": fn["arguments"]}))
