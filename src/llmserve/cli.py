@@ -13,6 +13,7 @@ from llmserve.structured_output.spec import JSON_WHITESPACE
 
 if TYPE_CHECKING:
     from llmserve.contract.server_limits import ServerLimits
+    from llmserve.server.responses_api.store import ResponseStore
 
 logger = logging.getLogger("llmserve")
 
@@ -210,7 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     served_model_names=names)
         serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
               served_model_names=names, gateway=gateway, engines=engines,
-              limits=server_limits_from_args(args, gateway))
+              limits=server_limits_from_args(args, gateway),
+              responses_store=responses_store_from_args(args))
     finally:
         for other in engines.values():
             other.shutdown()
@@ -233,6 +235,12 @@ def add_server_limit_args(p: argparse.ArgumentParser) -> None:
                    help="open connections / requests at once (uvicorn limit_concurrency; 503)")
     g.add_argument("--tokenizer-threads", type=int, default=None,
                    help="threads that parse and tokenize, shared fairly among tenants")
+    r = p.add_argument_group("Responses API (/v1/responses with store: true)")
+    r.add_argument("--responses-store", default=":memory:", metavar="PATH",
+                   help="SQLite file of stored responses (default: in memory, kept while "
+                        "the server runs)")
+    r.add_argument("--responses-ttl", type=float, default=30 * 24 * 3600.0, metavar="SECONDS",
+                   help="how long a stored response is kept (default 30 days)")
 
 
 def server_limits_from_args(args: argparse.Namespace, gateway: object = None) -> "ServerLimits":
@@ -244,6 +252,13 @@ def server_limits_from_args(args: argparse.Namespace, gateway: object = None) ->
     return base.replace(**{name: getattr(args, name, None) for name in (
         "max_body_bytes", "body_read_timeout_s", "header_read_timeout_s", "keep_alive_timeout_s",
         "max_connections", "tokenizer_threads")})
+
+
+def responses_store_from_args(args: argparse.Namespace) -> "ResponseStore":
+    """The store of ``/v1/responses`` (``--responses-store``, ``--responses-ttl``)."""
+    from llmserve.server.responses_api.store import ResponseStore
+
+    return ResponseStore(args.responses_store, args.responses_ttl)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,7 +65,8 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = ServerProcess(config, [
         "--served-model-name", "big", "--fallback-model", "default", "--fallback-name", "small",
         "--num-kv-blocks", "128", "--max-model-len", "1024", "--max-num-seqs", "2",
-        "--num-threads", "2"], folder / "server.log")
+        "--num-threads", "2", "--responses-store", str(folder / "responses.db")],
+        folder / "server.log")
     server.db = folder / "ledger.db"  # type: ignore[attr-defined]
     server.start()
     try:
@@ -145,6 +146,42 @@ def test_anthropic_messages_take_x_api_key_limits_and_billing(gw: ServerProcess)
             model="big", max_tokens=2, messages=ask)), range(3)))
     assert sorted(type(o).__name__ for o in outcomes).count("RateLimitError") >= 1
     time.sleep(2)   # the tiny tenant's bucket refills for the tests after this one
+
+
+def test_responses_under_the_gateway_bill_replay_and_stay_with_their_tenant(
+        gw: ServerProcess) -> None:
+    """The `openai` SDK's Responses calls against the gateway: the tenant's key, a model it
+    may not use is a 403, a served response is billed once, an idempotent retry gives the
+    same response (id included) without a second bill, and stored responses are the
+    tenant's alone."""
+    beta = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEYS["beta"], max_retries=0)
+    alpha = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEYS["alpha"], max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url("/v1"), api_key="sk-wrong", max_retries=0
+                      ).responses.create(model="big", input="hi", max_output_tokens=2)
+    with pytest.raises(openai.PermissionDeniedError):
+        beta.responses.create(model="small", input="hi", max_output_tokens=2)
+    before = len(ledger_rows(gw.db))
+    key = "idem-" + uuid.uuid4().hex
+    raw = beta.responses.with_raw_response.create(
+        model="big", input="Name a color.", max_output_tokens=3, temperature=0,
+        extra_headers={"Idempotency-Key": key})
+    resp = raw.parse()
+    rows = ledger_rows(gw.db)
+    assert len(rows) == before + 1
+    assert (rows[-1]["tenant"], rows[-1]["status"]) == ("beta", 200)
+    assert rows[-1]["completion_tokens"] == resp.usage.output_tokens
+    assert rows[-1]["prompt_tokens"] == resp.usage.input_tokens
+    again = beta.responses.with_raw_response.create(
+        model="big", input="Name a color.", max_output_tokens=3, temperature=0,
+        extra_headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.parse().id == resp.id and again.parse().output_text == resp.output_text
+    assert len(ledger_rows(gw.db, idempotency_key=key)) == 1
+    assert beta.responses.retrieve(resp.id).output_text == resp.output_text
+    with pytest.raises(openai.NotFoundError):
+        alpha.responses.retrieve(resp.id)
+    gw.responses_id = resp.id  # type: ignore[attr-defined]  # read after the restart
 
 
 def _try(fn: Any) -> Any:
@@ -371,6 +408,10 @@ def test_replay_survives_a_restart(gw: ServerProcess) -> None:
     assert replay.status_code == 200 and replay.headers["idempotent-replayed"] == "true"
     assert replay.json() == first.json()
     assert len(ledger_rows(gw.db, idempotency_key=key)) == 1
+    stored = getattr(gw, "responses_id", None)   # a file store keeps responses across restarts
+    if stored is not None:
+        r = httpx.get(gw.url(f"/v1/responses/{stored}"), headers=auth(KEYS["beta"]), timeout=10)
+        assert r.status_code == 200 and r.json()["id"] == stored
     fresh = post(gw, "alpha", body)  # the restarted server still serves and bills
     assert fresh.status_code == 200
     assert len(ledger_rows(gw.db, request_id=fresh.headers["x-request-id"])) == 1

@@ -60,6 +60,7 @@ def _connect(urls: list[str], token: Optional[str], args: argparse.Namespace) ->
 
 def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callable) -> None:
     from llmserve.server.launch import serve
+    from llmserve.server.responses_api.store import ResponseStore
 
     names = [args.served_model_name] if args.served_model_name else None
     gateway = None
@@ -68,7 +69,8 @@ def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callab
 
         gateway = build_gateway(args.config, router, served_model_names=names)
     serve(router, args.host, args.port, log_level=str(args.log_level).lower(),
-          served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway))
+          served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway),
+          responses_store=ResponseStore(args.responses_store, args.responses_ttl))
 
 
 def engine_argv(args: argparse.Namespace, add_engine_args: Callable) -> list[str]:

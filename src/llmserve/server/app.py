@@ -3,6 +3,10 @@
 Endpoints:
     POST /v1/chat/completions, POST /v1/completions   generation (SSE when ``stream``)
     GET  /v1/models, GET /v1/models/{model}            served model names
+    POST /v1/responses, GET/DELETE /v1/responses/{id}  OpenAI's Responses API, stored per tenant
+    GET  /v1/responses/{id}/input_items                (server/responses_api/)
+    POST /v1/messages, /v1/messages/count_tokens       Anthropic's Messages API (server/anthropic/)
+    POST /tokenize, /detokenize                        a model's tokenizer (server/tokenize_api.py)
     GET  /health                                       the process is alive (always 200)
     GET  /ready                                        200 when ``engine.is_ready()``, else 503
     GET  /metrics                                      Prometheus text (docs/METRICS.md)
@@ -37,6 +41,8 @@ from llmserve.server.metrics.status import StatusSampler
 from llmserve.server.middleware import RequestContextMiddleware
 from llmserve.server.protocol.openapi import install_openapi
 from llmserve.server.protocol.response_shaping import has_fim_tokens
+from llmserve.server.responses_api.routes import ResponsesEndpoints, install_responses_routes
+from llmserve.server.responses_api.store import ResponseStore
 from llmserve.server.serving import OpenAIServing
 from llmserve.server.tokenize_api import TokenizerEndpoints, install_tokenizer_routes
 from llmserve.server.ui.pages import install_ui_routes
@@ -53,6 +59,7 @@ def create_app(
     engines: Optional[Mapping[str, EngineClient]] = None,
     limits: Optional[ServerLimits] = None,
     input_limits: Optional[RequestLimits] = None,
+    responses_store: Optional[ResponseStore] = None,
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.contract.engine_client.EngineClient`).
 
@@ -71,6 +78,8 @@ def create_app(
             limits are applied by :func:`~llmserve.server.launch.build_server`).
         input_limits: bounds on the request's inputs (stop strings, messages, prompt
             bytes ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
+        responses_store: where ``/v1/responses`` keeps stored responses (default: a
+            :class:`~llmserve.server.responses_api.store.ResponseStore` in memory).
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -87,6 +96,7 @@ def create_app(
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)
+    store = responses_store if responses_store is not None else ResponseStore()
     all_engines = serving.engines
     names = serving.served_model_names
     started_at = int(time.time())
@@ -97,6 +107,7 @@ def create_app(
             yield
         finally:
             serving.close()
+            store.close()
             close_gateway = getattr(gateway, "close", None)
             if callable(close_gateway):
                 close_gateway()
@@ -122,6 +133,7 @@ def create_app(
     tokenizers = TokenizerEndpoints(serving, public_models if callable(public_models) else dict)
     install_tokenizer_routes(app, tokenizers)
     install_messages_routes(app, MessagesEndpoints(serving, tokenizers))
+    install_responses_routes(app, ResponsesEndpoints(serving, tokenizers, store))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -28,6 +28,7 @@ from llmserve.server.anthropic.request import (
 )
 from llmserve.server.anthropic.response import AnthropicError, error_from_body, message_from_chat
 from llmserve.server.anthropic.stream import anthropic_events
+from llmserve.server.rewrite import with_body
 from llmserve.server.serving import OpenAIServing
 from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse
 from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids, parse_json_body
@@ -35,31 +36,6 @@ from llmserve.server.tokenize_api import TokenizerEndpoints, chat_token_ids, par
 logger = logging.getLogger(__name__)
 
 _DROPPED_HEADERS = ("content-length", "content-type", "x-request-id")
-
-
-def with_body(request: Request, body: bytes) -> Request:
-    """The same request (scope, state, client, disconnects) with another JSON body, and
-    ``x-api-key`` given as a Bearer ``authorization`` when that header is absent."""
-    headers = [(k, v) for k, v in request.scope["headers"]
-               if k not in (b"content-length", b"content-type")]
-    names = {k for k, _ in headers}
-    api_key = request.headers.get("x-api-key")
-    if api_key and b"authorization" not in names:
-        headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
-    headers += [(b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode())]
-    scope = dict(request.scope)
-    scope["headers"] = headers
-    sent = False
-
-    async def receive() -> Any:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await request.receive()
-
-    return Request(scope, receive)
 
 
 def _internal(exc: Exception) -> AnthropicError:

@@ -39,6 +39,18 @@ def encode_event(payload: Any) -> bytes:
         "utf-8") + b"\n\n"
 
 
+def encode_named_event(event: str, payload: dict[str, Any]) -> bytes:
+    """One SSE event with a type line: ``event: <event>\\ndata: <compact JSON>\\n\\n``
+    (Anthropic's and the Responses API's streams)."""
+    return (f"event: {event}\ndata: " + json.dumps(payload, separators=(",", ":"),
+                                                   ensure_ascii=False) + "\n\n").encode("utf-8")
+
+
+def data_payloads(raw: bytes) -> list[str]:
+    """The ``data:`` payloads of one or more encoded SSE events."""
+    return [line[6:] for line in raw.decode("utf-8").split("\n") if line.startswith("data: ")]
+
+
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was sent (no response follows)."""
 

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API over the chat request path (see routes.py). No torch."""
