@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, Optional, Sequence, Union
 
+from llmserve.structured_output.reasoning_budget import ReasoningBudget
 from llmserve.structured_output.spec import StructuredOutputSpec
 
 _MAX_LOGPROBS = 20
@@ -32,7 +33,8 @@ class SamplingParams:
          (on output tokens), all before temperature;
       2. `logit_bias` is added, then the `structured_output` grammar masks every token it
          does not allow next, then `min_tokens` masks EOS and stop token ids until that
-         many tokens exist;
+         many tokens exist; a `reasoning_budget` that ran out allows only the next token
+         of the close marker;
       3. temperature (0 means greedy: argmax of the penalised logits, filters skipped);
       4. top-k, then top-p (nucleus, over the top-k survivors), then min-p (relative to
          the most likely surviving token);
@@ -67,6 +69,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[Mapping[int, float]] = None   # token id -> added to its logit
     structured_output: Optional[StructuredOutputSpec] = None
+    reasoning_budget: Optional[ReasoningBudget] = None   # close <think> after N tokens
     prompt_logprobs: Optional[int] = None  # None: off; k: each prompt token's logprob + top-k
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -104,7 +107,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether logit_bias or a grammar changes this request's logits before sampling
         (such a request takes no greedy fast path and never speculates)."""
-        return self.structured_output is not None or bool(self.logit_bias)
+        return self.structured_output is not None or bool(self.logit_bias) \
+            or self.reasoning_budget is not None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -178,6 +182,12 @@ class SamplingParams:
         if self.structured_output is not None and \
                 not isinstance(self.structured_output, StructuredOutputSpec):
             raise ValueError("structured_output must be a StructuredOutputSpec")
+        if self.reasoning_budget is not None:
+            if not isinstance(self.reasoning_budget, ReasoningBudget):
+                raise ValueError("reasoning_budget must be a ReasoningBudget")
+            if self.structured_output is not None:
+                raise ValueError("a thinking budget cannot be combined with structured "
+                                 "outputs (response_format, forced tool calls)")
 
     def check_masks(self, vocab_size: int, eos_token_ids: Collection[int] = ()) -> None:
         """Raise ValueError when the min_tokens mask would leave no token to sample, or a
@@ -191,6 +201,11 @@ class SamplingParams:
             if t >= vocab_size:
                 raise ValueError(f"logit_bias token id {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
+        budget = self.reasoning_budget
+        for t in (*budget.start_ids, *budget.end_ids) if budget is not None else ():
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"the thinking budget's marker token {t} is outside the "
+                                 f"vocabulary [0, {vocab_size})")
         if not self.min_tokens:
             return
         banned = {t for t in (*eos_token_ids, *self.stop_token_ids) if 0 <= t < vocab_size}

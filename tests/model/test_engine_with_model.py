@@ -316,3 +316,29 @@ def test_offline_generate_returns_prompt_logprobs_as_transformers_scores_them(ti
             assert [t.token_id for t in entry.top_logprobs][:2] == top.indices.tolist()
     # no prompt_logprobs asked: none returned
     assert llm.generate(PROMPTS[:1], GREEDY)[0].prompt_logprobs is None
+
+
+def test_a_thinking_budget_forces_the_close_marker_after_n_tokens(tiny_path):
+    """A request whose prompt opened a think block reasons for at most its budget of
+    tokens; then the close marker's tokens are forced one per step and the answer goes on
+    freely. The same request without a budget (and the other rows of the batch) keep
+    their greedy tokens."""
+    from llmserve.structured_output.reasoning_budget import ReasoningBudget
+    from tests.model.tiny_checkpoints import default_tokenizer
+
+    end = tuple(default_tokenizer().encode("</think>", add_special_tokens=False))
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4)
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    budget = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                            reasoning_budget=ReasoningBudget(4, end))
+    plain, forced, neighbour = llm.generate([PROMPTS[0], PROMPTS[0], PROMPTS[1]],
+                                            [free, budget, free])
+    alone = llm.generate([PROMPTS[1]], free)[0]
+    ids = list(forced.outputs[0].token_ids)
+    assert ids[:4] == list(plain.outputs[0].token_ids)[:4]
+    assert tuple(ids[4:4 + len(end)]) == end and len(ids) == 12
+    assert list(neighbour.outputs[0].token_ids) == list(alone.outputs[0].token_ids)
+    zero = llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=6, temperature=0.8, seed=3, ignore_eos=True,
+        reasoning_budget=ReasoningBudget(0, end)))[0]
+    assert tuple(zero.outputs[0].token_ids[:len(end)]) == end

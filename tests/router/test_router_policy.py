@@ -1,6 +1,8 @@
 """The routing rules on their own: affinity keys, the ring, the overload thresholds, wire."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmserve.protocol import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -56,6 +58,10 @@ def test_choose_prefers_affinity_until_overloaded():
 def test_wire_round_trip_and_fleet_sum():
     params = SamplingParams(n=2, temperature=0.5, stop=["x", "y"], seed=3, max_tokens=7)
     assert params_from_dict(params_to_dict(params)) == params
+    from llmserve.structured_output.reasoning_budget import ReasoningBudget
+
+    thinking = SamplingParams(reasoning_budget=ReasoningBudget(5, (7, 8), (6,)))
+    assert params_from_dict(json.loads(json.dumps(params_to_dict(thinking)))) == thinking
     with pytest.raises(ValueError, match="unknown sampling"):
         params_from_dict({"warp": 9})
     out = RequestOutput("r", None, [1, 2], [CompletionOutput(1, "hi", [5], "stop", 2, None, 3)],

@@ -7,7 +7,8 @@ tokenizer (so the front tokenizes and renders chat templates exactly as the engi
 
 Dataclasses are converted field by field from their declared fields, so fields other
 work adds to ``SamplingParams`` or ``EngineStats`` travel without changes here when they
-hold JSON values; the two that do not (``logit_bias``: int keys, ``structured_output``: a
+hold JSON values; those that do not (``reasoning_budget``: a dataclass of token ids;
+``logit_bias``: int keys, ``structured_output``: a
 dataclass) are converted explicitly.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from llmserve.protocol import (
     TopLogprob,
 )
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.reasoning_budget import ReasoningBudget
 from llmserve.structured_output.spec import StructuredOutputSpec
 
 #: Bumped when a message changes incompatibly; the router refuses an engine of another one.
@@ -47,6 +49,11 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     spec = out.get("structured_output")
     if spec is not None:   # the constraint, never the engine's compiled grammar
         out["structured_output"] = {"kind": spec.kind, "value": spec.value}
+    budget = out.get("reasoning_budget")
+    if budget is not None:
+        out["reasoning_budget"] = {"max_tokens": budget.max_tokens,
+                                   "end_ids": list(budget.end_ids),
+                                   "start_ids": list(budget.start_ids)}
     return out
 
 
@@ -64,6 +71,11 @@ def params_from_dict(data: dict[str, Any]) -> SamplingParams:
     spec = data.get("structured_output")
     if spec is not None:
         data["structured_output"] = StructuredOutputSpec(kind=spec["kind"], value=spec["value"])
+    budget = data.get("reasoning_budget")
+    if budget is not None:
+        data["reasoning_budget"] = ReasoningBudget(int(budget["max_tokens"]),
+                                                   tuple(budget["end_ids"]),
+                                                   tuple(budget.get("start_ids", ())))
     return SamplingParams(**data)
 
 

@@ -6,7 +6,9 @@
   (O(biased tokens), like the penalties), and
 * the token bitmask of every row with a structured-output grammar, filled on the host by
   :class:`llmserve.structured_output.matchers.GrammarMatchers` (int32 words, 32 tokens
-  each; unconstrained rows all ones) and copied to the device in one transfer,
+  each; unconstrained rows all ones) and copied to the device in one transfer; a row
+  whose thinking budget ran out (:mod:`llmserve.structured_output.reasoning_budget`)
+  gets a mask that allows only the next token of the close marker,
 
 and attaches them to the step's :class:`SamplingBatch`. Rows under a grammar drop their
 ``min_tokens`` mask (EOS is the only token a complete grammar allows). The sampler applies both in its
@@ -20,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from llmserve.structured_output.matchers import GrammarMatchers, bitmask_words
+from llmserve.structured_output.reasoning_budget import BudgetTracker
 
 _NEG_INF = float("-inf")
 
@@ -45,9 +48,17 @@ class LogitsAdjuster:
         self.device = device
         self.matchers = GrammarMatchers(num_threads)
         self._host: Optional[torch.Tensor] = None   # reused host buffer (pinned on CUDA)
+        self._budgets: dict[str, BudgetTracker] = {}   # request id -> its thinking budget
 
     def release(self, request_id: str) -> None:
         self.matchers.release(request_id)
+        self._budgets.pop(request_id, None)
+
+    def _forced(self, rid: str, params, output_token_ids: Sequence[int]) -> Optional[int]:
+        tracker = self._budgets.get(rid)
+        if tracker is None or tracker.budget is not params.reasoning_budget:
+            tracker = self._budgets[rid] = BudgetTracker(params.reasoning_budget)
+        return tracker.forced_token(output_token_ids)
 
     def attach(self, batch, samplings: Sequence, request_ids: Sequence[str]) -> None:
         """Set ``batch.bias_index``/``bias_value``/``token_bitmask`` for the rows that ask."""
@@ -55,8 +66,13 @@ class LogitsAdjuster:
         index: list[int] = []
         values: list[float] = []
         grammar_rows = []
+        forced: list[tuple[int, int]] = []
         for row, (s, rid) in enumerate(zip(samplings, request_ids)):
             p = s.params
+            if p.reasoning_budget is not None:
+                token = self._forced(rid, p, s.output_token_ids)
+                if token is not None:
+                    forced.append((row, token))
             if p.logit_bias:
                 for token, bias in p.logit_bias.items():
                     if 0 <= token < vocab:
@@ -71,10 +87,11 @@ class LogitsAdjuster:
         if index:
             batch.bias_index = torch.tensor(index, dtype=torch.int64).to(self.device)
             batch.bias_value = torch.tensor(values, dtype=torch.float32).to(self.device)
-        if grammar_rows:
-            batch.token_bitmask = self._bitmask(grammar_rows, batch.batch_size, vocab)
+        if grammar_rows or forced:
+            batch.token_bitmask = self._bitmask(grammar_rows, batch.batch_size, vocab, forced)
 
-    def _bitmask(self, rows, batch_size: int, vocab: int) -> torch.Tensor:
+    def _bitmask(self, rows, batch_size: int, vocab: int,
+                 forced: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
         words = bitmask_words(vocab)
         host = self._host
         if host is None or host.shape[0] < batch_size or host.shape[1] != words:
@@ -83,7 +100,12 @@ class LogitsAdjuster:
             self._host = host
         view = host[:batch_size]
         view.fill_(-1)
-        self.matchers.fill(rows, view.numpy())
+        if rows:
+            self.matchers.fill(rows, view.numpy())
+        for row, token in forced:   # a budget that ran out: only the marker's next token
+            view[row].zero_()
+            bit = token % 32
+            view[row, token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)
         if self.device.type == "cpu":
             return view.clone()
         return view.to(self.device, non_blocking=True)

@@ -1,0 +1,1 @@
+"""Reasoning models: parsers that split the think block from the answer. No torch."""
