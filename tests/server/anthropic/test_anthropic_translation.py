@@ -175,3 +175,24 @@ def test_a_stop_sequence_and_an_error_mid_stream():
         "[DONE]"])
     assert bad[-1] == ("error", {"type": "error", "error": {"type": "api_error",
                                                            "message": "boom"}})
+
+
+def test_reasoning_becomes_a_thinking_block_first():
+    chunk = lambda delta, fin=None: json.dumps(  # noqa: E731
+        {"id": "chatcmpl-r", "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]})
+    events = _events([chunk({"role": "assistant", "content": ""}),
+                      chunk({"reasoning_content": "Hmm, "}), chunk({"reasoning_content": "4."}),
+                      chunk({"content": "Four."}), chunk({}, "stop"), "[DONE]"])
+    assert [k for k, _ in events][1:8] == [
+        "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta",
+        "content_block_stop"]
+    assert events[1][1]["content_block"] == {"type": "thinking", "thinking": "",
+                                             "signature": ""}
+    assert events[2][1]["delta"] == {"type": "thinking_delta", "thinking": "Hmm, "}
+    assert events[5][1]["index"] == 1 and events[5][1]["content_block"]["type"] == "text"
+    message = message_from_chat({"id": "chatcmpl-r", "choices": [{
+        "finish_reason": "stop", "message": {"reasoning_content": "Hmm.", "content": "Four."}}]},
+        "m", None)
+    assert [b["type"] for b in message["content"]] == ["thinking", "text"]
+    assert message["content"][0]["thinking"] == "Hmm."

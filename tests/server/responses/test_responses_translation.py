@@ -201,3 +201,34 @@ def test_the_store_is_per_tenant_and_expires(tmp_path):
         ResponseStore(":memory:", ttl_s=0)
     with pytest.raises(ValueError, match="cannot open"):
         ResponseStore(str(tmp_path / "no" / "such" / "dir.db"))
+
+
+def test_reasoning_becomes_a_reasoning_item_first_whole_and_streamed():
+    chat = {"id": "chatcmpl-1", "created": 1, "model": "m", "choices": [{
+        "index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "reasoning_content": "Think.", "content": "Done."}}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}}
+    resp = response_from_chat(chat, _shell())
+    assert [o["type"] for o in resp["output"]] == ["reasoning", "message"]
+    assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": "Think."}]
+    assert conversation_of(resp["output"]) == [{"role": "assistant", "content": "Done."}]
+    payloads = [_chunk({"role": "assistant", "content": ""}),
+                _chunk({"reasoning_content": "Thi"}), _chunk({"reasoning_content": "nk."}),
+                _chunk({"content": "Done."}), _chunk({}, "stop"), "[DONE]"]
+
+    async def keep(final: dict[str, Any]) -> None:
+        return None
+
+    async def run() -> list[bytes]:
+        translator = ResponseStreamTranslator(lambda cid, created, model: _shell())
+        return [e async for e in response_events(_stream(payloads), translator, keep)]
+
+    events = _decode(asyncio.run(run()))
+    kinds = [e["type"] for e in events]
+    assert kinds[2:7] == ["response.output_item.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.delta", "response.reasoning_text.done",
+                          "response.output_item.done"]
+    assert events[5]["text"] == "Think." and events[2]["item"]["type"] == "reasoning"
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][1]["content"][0]["text"] == "Done."

@@ -1,7 +1,8 @@
 """Anthropic Messages responses and errors, made from the chat completion the server ran.
 
-A chat completion's choice becomes a message: its text a ``text`` block, each tool call a
-``tool_use`` block (arguments parsed back into ``input``); ``finish_reason`` becomes
+A chat completion's choice becomes a message: its reasoning (``reasoning_content``, from a
+reasoning model) a ``thinking`` block (with an empty ``signature``: nothing is signed
+here), its text a ``text`` block, each tool call a ``tool_use`` block (arguments parsed back into ``input``); ``finish_reason`` becomes
 ``stop_reason``::
 
     stop (a stop string ended it) -> stop_sequence (+ the string)
@@ -100,6 +101,9 @@ def message_from_chat(chat: dict[str, Any], model: str,
     choice = chat["choices"][0]
     msg = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):     # a reasoning model's think block
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"],
+                        "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:

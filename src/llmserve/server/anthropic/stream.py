@@ -3,6 +3,8 @@
 One message, its content blocks opened and closed in order::
 
     message_start                      (id, model; usage so far: 0 tokens)
+    content_block_start                thinking block, at the first reasoning text
+    content_block_delta  thinking_delta  per chunk of reasoning (a reasoning model)
     content_block_start  index 0       text block, at the first text
     content_block_delta  text_delta    per chunk of text
     content_block_stop   index 0       when a tool call starts or the message ends
@@ -99,6 +101,12 @@ class MessageStreamTranslator:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open_kind != "thinking":
+                    out += self._open("thinking", {"type": "thinking", "thinking": "",
+                                                   "signature": ""})
+                out.append(self._delta({"type": "thinking_delta",
+                                        "thinking": delta["reasoning_content"]}))
             if delta.get("content"):
                 if self.open_kind != "text":
                     out += self._open("text", {"type": "text", "text": ""})

@@ -1,8 +1,9 @@
 """Response objects of the Responses API, made from the chat completion the server ran.
 
-A chat completion's choice becomes a response's ``output``: its text one ``message`` item
-(one ``output_text`` part), each tool call a ``function_call`` item (``call_id`` the chat
-call's id). ``finish_reason`` ``length`` makes the response ``incomplete`` with
+A chat completion's choice becomes a response's ``output``: its reasoning (a reasoning
+model's think block, ``reasoning_content``) one ``reasoning`` item (one ``reasoning_text``
+part), its text one ``message`` item (one ``output_text`` part), each tool call a
+``function_call`` item (``call_id`` the chat call's id). ``finish_reason`` ``length`` makes the response ``incomplete`` with
 ``incomplete_details.reason`` ``max_output_tokens``; anything else ``completed``.
 ``usage``: ``input_tokens`` (of which ``cached_tokens`` came from the prefix cache),
 ``output_tokens``, ``total_tokens``.
@@ -45,6 +46,12 @@ def message_item(resp_id: str, index: int, text: str, status: str) -> dict[str, 
                          "logprobs": []}]}
 
 
+def reasoning_item(resp_id: str, index: int, text: str, status: str) -> dict[str, Any]:
+    """A ``reasoning`` output item holding a think block's ``text``."""
+    return {"type": "reasoning", "id": item_id("rs", resp_id, index), "status": status,
+            "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def function_call_item(resp_id: str, index: int, call_id: str, name: str, arguments: str,
                        status: str) -> dict[str, Any]:
     """A ``function_call`` output item."""
@@ -58,7 +65,9 @@ def usage_of(chat_usage: Optional[dict[str, Any]]) -> dict[str, Any]:
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": int(
+                (u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)},
             "total_tokens": prompt + completion}
 
 
@@ -112,10 +121,12 @@ class ResponseShell:
 
 def output_of_message(resp_id: str, message: dict[str, Any], status: str
                       ) -> list[dict[str, Any]]:
-    """The output items of a chat choice's ``message``: text first, then the calls."""
+    """The output items of a chat choice's ``message``: reasoning, text, then the calls."""
     items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append(reasoning_item(resp_id, 0, message["reasoning_content"], status))
     if message.get("content"):
-        items.append(message_item(resp_id, 0, message["content"], status))
+        items.append(message_item(resp_id, len(items), message["content"], status))
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
         items.append(function_call_item(resp_id, len(items), str(call.get("id", "")),
@@ -141,7 +152,8 @@ def response_from_chat(chat: dict[str, Any], shell: ResponseShell) -> dict[str, 
 
 def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat messages a response's output adds to its conversation (for a later
-    ``previous_response_id``): one assistant message with its text and tool calls."""
+    ``previous_response_id``): one assistant message with its text and tool calls (the
+    reasoning is left out, as chat templates drop it from earlier turns)."""
     text = "".join(part.get("text", "") for item in output if item["type"] == "message"
                    for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function",

@@ -3,6 +3,8 @@
 Every event carries its ``type`` and a ``sequence_number`` counting from 0::
 
     response.created, response.in_progress           (the response, in_progress, no output)
+    response.output_item.added      reasoning item   at the first reasoning text (a
+    response.reasoning_text.delta ... .done, response.output_item.done     reasoning model)
     response.output_item.added      message item     at the first text
     response.content_part.added     output_text part
     response.output_text.delta      per chunk of text
@@ -28,6 +30,7 @@ from llmserve.server.responses_api.output import (
     finish_status,
     function_call_item,
     message_item,
+    reasoning_item,
     usage_of,
 )
 from llmserve.server.stream.sse import data_payloads, encode_named_event
@@ -80,7 +83,11 @@ class ResponseStreamTranslator:
         item = self.output[index]
         item["status"] = status
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"],
+                                   output_index=index, content_index=0,
+                                   text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"],
                                    output_index=index, content_index=0, text=part["text"],
@@ -100,7 +107,7 @@ class ResponseStreamTranslator:
         self.output.append(item)
         self.open_index = len(self.output) - 1
         added = json.loads(json.dumps(item))
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             added["content"] = []
         out.append(self._event("response.output_item.added", output_index=self.open_index,
                                item=added))
@@ -121,6 +128,17 @@ class ResponseStreamTranslator:
         out.append(self._event("response.output_text.delta", item_id=item["id"],
                                output_index=self.open_index, content_index=0, delta=text,
                                logprobs=[]))
+        return out
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open_index is None or self.output[self.open_index]["type"] != "reasoning":
+            out += self._open(reasoning_item(self._resp_id(), len(self.output), "",
+                                             "in_progress"))
+        item = self.output[self.open_index]   # type: ignore[index]
+        item["content"][0]["text"] += text
+        out.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                               output_index=self.open_index, content_index=0, delta=text))
         return out
 
     def _call(self, call: dict[str, Any]) -> list[bytes]:
@@ -154,6 +172,8 @@ class ResponseStreamTranslator:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -167,7 +187,7 @@ class ResponseStreamTranslator:
         status, reason = finish_status(self.finish_reason)
         for item in self.output:
             if item["status"] == "in_progress":
-                item["status"] = status if item["type"] == "message" else "completed"
+                item["status"] = status if item["type"] != "function_call" else "completed"
         if self.shell is None:
             raise RuntimeError("the chat stream ended before its first chunk")
         self.final = self.shell.body(status, self.output, usage_of(self.usage), reason)
@@ -178,7 +198,8 @@ class ResponseStreamTranslator:
         self.done = True
         status, _ = finish_status(self.finish_reason)
         out = self._close(status if self.open_index is not None and
-                          self.output[self.open_index]["type"] == "message" else "completed")
+                          self.output[self.open_index]["type"] != "function_call"
+                          else "completed")
         final = self.final or self.final_response()
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         out.append(self._event(kind, response=final))
