@@ -266,3 +266,12 @@ def test_gateway_hooks_and_billing(engines, start_server):
 def test_an_engine_without_embeddings_answers_400(fake_server):
     resp = httpx.post(fake_server.url("/v1/embeddings"), json={"input": "hi"}, timeout=30)
     assert_openai_error(resp, 400, param="model", code="embeddings_not_supported")
+
+
+def test_a_lora_adapter_view_does_not_offer_the_base_models_embeddings(engines):
+    from llmserve.contract.engine_client import EmbeddingEngine
+    from llmserve.server.lora_adapters import LoraModelView
+
+    base = engines["last"]
+    view = LoraModelView(base, base.model_name, {"name": "a", "system_fingerprint": "fp"})
+    assert isinstance(base, EmbeddingEngine) and not isinstance(view, EmbeddingEngine)
