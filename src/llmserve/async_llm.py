@@ -19,6 +19,7 @@ built on the main thread and stepped on this one (docs/BENCHMARKS.md, "One threa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -30,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 from llmserve.config import EngineConfig
 from llmserve.engine.request import Request
 from llmserve.llm_engine import LLMEngine, PromptType, UserRequest
+from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import EngineStats, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -187,6 +189,43 @@ class AsyncLLM:
         user, children = self.engine.make_requests(
             internal, prompt, params, priority=priority, cache_salt=cache_salt,
             deadline=deadline, queue_deadline=queue_deadline, prediction=prediction, lora=lora)
+        async with contextlib.aclosing(self._stream(request_id, user, children)) as outs:
+            async for out in outs:   # closing this iterator closes (aborts) that one
+                yield out
+
+    @property
+    def embedding_size(self) -> int:
+        """Length of an embedding before ``dimensions`` cuts it (the hidden size)."""
+        return self.engine.embedding_size
+
+    @property
+    def pooling(self) -> str:
+        """The engine's default pooling method (``--pooling``)."""
+        return self.engine.config.model.pooling
+
+    async def embed(
+        self, prompt: PromptType, pooling: Optional[PoolingParams], request_id: str, *,
+        priority: "int | str | None" = None, cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None, queue_deadline: Optional[float] = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one embedding request (prefill only, batched with generation in the same
+        steps); yields its one final output, whose ``embedding`` is the vector (None
+        when it ended otherwise, e.g. ``timeout``). Closing the iterator aborts it."""
+        self._check_alive()
+        if request_id in self._internal:
+            raise ValueError(f"request id {request_id!r} is already running")
+        internal = f"{request_id}@{next(self._counter)}"
+        user, children = self.engine.make_embedding_request(
+            internal, prompt, pooling, priority=priority, cache_salt=cache_salt,
+            deadline=deadline, queue_deadline=queue_deadline)
+        async with contextlib.aclosing(self._stream(request_id, user, children)) as outs:
+            async for out in outs:   # closing this iterator closes (aborts) that one
+                yield out
+
+    async def _stream(self, request_id: str, user: UserRequest, children: list[Request]
+                      ) -> AsyncIterator[RequestOutput]:
+        """Admit a prepared request and stream its outputs under the caller's id."""
+        internal = user.request_id
         stream = _Stream(asyncio.get_running_loop(), request_id)
         self._streams[internal] = stream
         self._internal[request_id] = internal

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from llmserve.config import INT4_ACTIVATIONS, EngineConfig
+from llmserve.pooling_params import POOLING_METHODS
 from llmserve.structured_output.spec import JSON_WHITESPACE
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="JSON answers (response_format, structured_outputs json): flexible "
                         "allows whitespace between tokens, as vLLM does (pretty-printed JSON, "
                         "what models were trained on); compact allows none")
+    g.add_argument("--pooling", default="last", choices=list(POOLING_METHODS),
+                   help="embeddings (/v1/embeddings): pool the final hidden state of the "
+                        "last prompt position (decoder models), the mean of all, or the "
+                        "first (cls); see docs/EMBEDDINGS.md")
     s = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
     s.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="ngram: prompt lookup (no extra model); draft: a smaller model with "
@@ -127,7 +132,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         int4_activations=args.int4_activations,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-        json_whitespace=args.json_whitespace,
+        json_whitespace=args.json_whitespace, pooling=args.pooling,
         compile_in_background=getattr(args, "startup_compile", None) == "background",
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,

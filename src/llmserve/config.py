@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from llmserve.pooling_params import POOLING_METHODS
 from llmserve.spec_decode.config import SpecDecodeConfig
 from llmserve.structured_output.spec import JSON_WHITESPACE
 
@@ -47,6 +48,7 @@ class ModelOptions:
     compile_in_background: bool = False   # graphs not saved yet: compiled by a child process while steps run eagerly (serve's default)
     attention_backend: str = "auto"        # auto (paged) | paged | reference
     json_whitespace: str = "flexible"      # JSON answers (response_format...): flexible (whitespace between tokens, as vLLM) | compact
+    pooling: str = "last"                  # embeddings (/v1/embeddings, LLM.embed): last | mean | cls position's final hidden state
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,6 +65,9 @@ class ModelOptions:
         if self.json_whitespace not in JSON_WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}; "
                              f"got {self.json_whitespace!r}")
+        if self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}; "
+                             f"got {self.pooling!r}")
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise ValueError(f"attention_backend must be one of auto, paged, reference; "
                              f"got {self.attention_backend!r}")

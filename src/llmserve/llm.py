@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 
 from llmserve.config import EngineConfig
 from llmserve.llm_engine import LLMEngine, PromptType
+from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -70,6 +71,29 @@ class LLM:
         for user, children in prepared:
             self.engine.add_prepared(user, children)
         return self._run([user.request_id for user, _ in prepared])
+
+    def embed(self, prompts: Prompts, pooling_params: Optional[PoolingParams] = None, *,
+              cache_salt: Optional[str] = None) -> list[list[float]]:
+        """One embedding per prompt (a string or token ids), in input order: the final
+        hidden states of the prompt pooled as ``pooling_params`` says (default: the
+        engine's ``pooling``, L2-normalized). The prompts run through the engine as
+        prefill-only requests, batched like any other (docs/EMBEDDINGS.md)."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        prepared = [self.engine.make_embedding_request(f"offline-{next(self._ids)}", prompt,
+                                                       pooling_params, cache_salt=cache_salt)
+                    for prompt in prompts]  # type: ignore[union-attr]
+        for user, children in prepared:
+            self.engine.add_prepared(user, children)
+        outputs = self._run([user.request_id for user, _ in prepared])
+        vectors = []
+        for out in outputs:
+            if out.error is not None:
+                raise out.error
+            if out.embedding is None:
+                raise RuntimeError(f"request {out.request_id} ended without an embedding")
+            vectors.append(out.embedding)
+        return vectors
 
     def chat(
         self,
@@ -150,5 +174,7 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> None:
         acc.prompt_logprobs = delta.prompt_logprobs
     if delta.error is not None:
         acc.error = delta.error
+    if delta.embedding is not None:
+        acc.embedding = delta.embedding
     acc.num_cached_tokens = delta.num_cached_tokens
     acc.metrics = delta.metrics

@@ -24,6 +24,7 @@ from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler
 from llmserve.lora.engine_loras import EngineLoras
+from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import EngineStats, FinishReason, RequestOutput, TokenLogprob, priority_value
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.wiring import TargetModel, build_speculation
@@ -131,6 +132,7 @@ class LLMEngine:
             "kv_dtype": self.kv_dtype,
             "block_size": self.config.cache.block_size,
             "json_whitespace": self.config.model.json_whitespace,   # structured answers
+            "pooling": self.config.model.pooling,                   # embeddings
         }
         blob = json.dumps(parts, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
@@ -196,6 +198,43 @@ class LLMEngine:
         user = UserRequest(request_id, text, ids, [c.request_id for c in children])
         return user, children
 
+    @property
+    def embedding_size(self) -> int:
+        """Length of an embedding before ``dimensions`` cuts it: the hidden size."""
+        return self.model_config.hidden_size
+
+    def make_embedding_request(
+        self, request_id: str, prompt: PromptType, pooling: Optional[PoolingParams] = None, *,
+        priority: "int | str | None" = None, cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None, deadline: Optional[float] = None,
+        queue_deadline: Optional[float] = None,
+    ) -> tuple[UserRequest, list[Request]]:
+        """An embedding request (prefill only; thread-safe, touches no engine state):
+        the prompt may fill the whole context. ``pooling.method`` None takes the
+        engine's ``--pooling``. ValueError for an empty or too long prompt, token ids
+        outside the vocabulary or ``dimensions`` above the hidden size."""
+        pooling = pooling or PoolingParams()
+        if not isinstance(pooling, PoolingParams):
+            raise TypeError("pooling must be a PoolingParams")
+        if pooling.method is None:
+            pooling = dataclasses.replace(pooling, method=self.config.model.pooling)
+        if pooling.dimensions is not None and pooling.dimensions > self.embedding_size:
+            raise ValueError(f"dimensions must be at most {self.embedding_size} (the model's "
+                             f"hidden size), got {pooling.dimensions}")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the input is empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the input ({len(ids)} tokens) exceeds the context length of "
+                             f"{self.max_model_len} tokens")
+        request = Request(request_id, ids, SamplingParams(max_tokens=1), prompt=text,
+                          priority=priority_value(priority),
+                          arrival_time=time.time() if arrival_time is None else arrival_time,
+                          cache_salt=cache_salt, max_model_len=self.max_model_len,
+                          deadline=deadline, queue_deadline=queue_deadline,
+                          parent_id=request_id, pooling=pooling)
+        return UserRequest(request_id, text, ids, [request_id]), [request]
+
     def add_prepared(self, user: UserRequest, children: list[Request]) -> None:
         if user.request_id in self._requests:
             raise ValueError(f"request id {user.request_id!r} is already in the engine")
@@ -252,6 +291,8 @@ class LLMEngine:
                 user.prompt_logprobs_sent = True
                 out.prompt_logprobs = self._prompt_logprobs(u.request)
             out.outputs.append(u.delta)
+            if u.embedding is not None:
+                out.embedding = u.embedding
             if u.error is not None:
                 out.error = u.error
             if u.delta.finish_reason is not None:

@@ -147,6 +147,8 @@ class RequestOutput:
     #: prompt_logprobs requests, on the first output that has them: one entry per prompt
     #: token, None for the first (nothing precedes it)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    #: embedding requests, on the final output: the pooled vector (``PoolingParams``)
+    embedding: Optional[list[float]] = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ class FakeRunner:
         self.vocab = vocab
         self.block_size = block_size
         self.steps: list[StepInput] = []
+        self.pool_sums: dict[str, int] = {}   # embedding requests: token sums so far
         self.released: list[str] = []
         self.fail_if = fail_if   # a request id -> the exception a batch holding it raises, or None
         self.weight_bytes = 0          # the figures the engine's stats read
@@ -30,8 +31,19 @@ class FakeRunner:
                 if exc is not None:
                     raise exc
         out = StepOutput()
+        offset = 0
         for i, rid in enumerate(step.request_ids):
             n = step.num_new_tokens[i]
+            task = step.pooling.get(rid)
+            if task is not None:   # an embedding: [positions pooled, sum of their tokens]
+                chunk = step.token_ids[offset:offset + n]
+                if step.start_positions[i] == 0:
+                    self.pool_sums[rid] = 0
+                self.pool_sums[rid] = self.pool_sums.get(rid, 0) + sum(chunk)
+                if task.finishes:
+                    out.pooled[rid] = [float(step.start_positions[i] + n),
+                                       float(self.pool_sums.pop(rid))]
+            offset += n
             need = -(-(step.start_positions[i] + n) // self.block_size)
             if len(step.block_tables[i]) < need:
                 raise AssertionError(f"block table too short for {rid}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncGenerator, Optional, Protocol, Sequence, Union, runtime_checkable
 
+from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import EngineStats, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -118,6 +119,28 @@ class PrefixPinning(Protocol):
 
     async def unpin_prefix(self, pin_id: str) -> int:
         """Release a pin; returns the blocks it held."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """Engines that serve ``/v1/embeddings``: prefill-only requests whose final output
+    carries the pooled vector (``RequestOutput.embedding``)."""
+
+    #: length of an embedding before ``dimensions`` cuts it (the model's hidden size)
+    embedding_size: int
+    #: the default pooling method: "last", "mean" or "cls"
+    pooling: str
+
+    def embed(
+        self, prompt: list[int], pooling: Optional[PoolingParams], request_id: str, *,
+        priority: Union[int, str, None] = None, cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None, queue_deadline: Optional[float] = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's one final output (``embedding`` set unless it ended
+        otherwise: ``timeout``, ``queue_timeout``, ``abort``). Invalid input raises
+        ValueError before the first yield; closing the iterator aborts the request;
+        ``abort(request_id)`` works as for ``generate``."""
         ...
 
 

@@ -18,10 +18,10 @@ from typing import Optional, Protocol
 
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.output.processor import OutputProcessor
-from llmserve.engine.request import Request
+from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.step_isolation import StepFailures, execute_isolated
-from llmserve.engine.step_types import SequenceSampling, StepInput, StepOutput
+from llmserve.engine.step_types import SequencePooling, SequenceSampling, StepInput, StepOutput
 from llmserve.protocol import CompletionOutput, EngineStats, FinishReason, RequestFailedError
 from llmserve.spec_decode.decoder import SpecState, SpeculativeDecoder
 
@@ -53,6 +53,12 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
         end = s.committed_end
         tokens = req.all_token_ids[s.start:end]
         sampling = None
+        if req.pooling is not None:   # prefill only: pooled, never sampled
+            step.add(req.request_id, tokens, s.start, kv.blocks_of(req.request_id), 0, None,
+                     req.lora)
+            step.pooling[req.request_id] = SequencePooling(req.pooling,
+                                                           end == req.num_prompt_tokens)
+            continue
         if s.samples:
             sampling = SequenceSampling(req.sampling_params, req.prompt_token_ids,
                                         req.output_token_ids)
@@ -71,15 +77,18 @@ def build_step_input(sched: SchedulerOutput, kv: KVCacheManager) -> StepInput:
 
 
 class SequenceUpdate:
-    """What one step did to one sequence: a delta plus, maybe, its end."""
+    """What one step did to one sequence: a delta plus, maybe, its end (and, for an
+    embedding request, its vector)."""
 
-    __slots__ = ("request", "delta", "error")
+    __slots__ = ("request", "delta", "error", "embedding")
 
     def __init__(self, request: Request, delta: CompletionOutput,
-                 error: Optional[RequestFailedError] = None) -> None:
+                 error: Optional[RequestFailedError] = None,
+                 embedding: Optional[list[float]] = None) -> None:
         self.request = request
         self.delta = delta
         self.error = error
+        self.embedding = embedding
 
 
 class EngineCore:
@@ -167,6 +176,7 @@ class EngineCore:
                 have = req.prompt_logprobs = req.prompt_logprobs or []
                 if len(have) == first - 1:
                     have.extend(entries)
+        updates += self._finish_embeddings(sched, result)
         lps = result.logprobs
         tops = result.top_logprobs
         for i, rid in enumerate(result.request_ids):
@@ -207,6 +217,35 @@ class EngineCore:
                 self._forget(req.request_id)
                 break
         return SequenceUpdate(req, CompletionOutput.joined(deltas)) if deltas else None
+
+    def _finish_embeddings(self, sched: SchedulerOutput, result: StepOutput
+                           ) -> list[SequenceUpdate]:
+        """End the embedding requests whose prompt this step completed: their vector
+        goes out, their KV blocks are freed (a prefix-cached block stays cached)."""
+        updates = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.pooling is None or req.status is not RequestStatus.RUNNING \
+                    or req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            vector = result.pooled.get(req.request_id)
+            if vector is None:   # a runner that does not pool: a bug, not the request's
+                logger.error("the runner returned no embedding for %s", req.request_id)
+                upd = self.abort_request(req.request_id, FinishReason.ERROR)
+                if upd is not None:
+                    upd.error = RequestFailedError("the engine returned no embedding",
+                                                   error_id=req.request_id)
+                    updates.append(upd)
+                continue
+            self.prompt_tokens_total += req.num_prompt_tokens
+            req.metrics.first_token_time = req.metrics.last_token_time = \
+                self.scheduler.clock()
+            self.scheduler.finish_request(req, FinishReason.STOP)
+            self._forget(req.request_id)
+            updates.append(SequenceUpdate(
+                req, CompletionOutput(index=req.index, finish_reason=FinishReason.STOP),
+                embedding=vector))
+        return updates
 
     def _execute_isolated(self, sched: SchedulerOutput
                           ) -> tuple[StepOutput, Optional[StepFailures]]:

@@ -6,6 +6,7 @@ import time
 from typing import Optional
 
 from llmserve.lora.registry import LoraRef, lora_cache_salt
+from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import FinishReason, RequestMetrics
 from llmserve.sampling_params import SamplingParams
 
@@ -32,6 +33,10 @@ class Request:
 
     A step schedules `n` new tokens starting at `num_computed_tokens`; when the step
     reaches `num_tokens` the model samples one more token, which is appended.
+
+    An embedding request (``pooling`` set) is prefill-only: it never samples and never
+    decodes; the step that computes its last prompt token returns its pooled vector
+    and the request finishes there (``max_total_tokens`` is its prompt length).
     """
 
     __slots__ = (
@@ -41,6 +46,7 @@ class Request:
         "stop_reason", "block_hashes", "num_preemptions", "last_preempted_step",
         "metrics", "eos_token_ids", "max_total_tokens", "deadline", "queue_deadline",
         "parent_id", "index", "spec_token_ids", "spec_state", "prompt_logprobs", "lora",
+        "pooling",
     )
 
     def __init__(
@@ -60,6 +66,7 @@ class Request:
         parent_id: Optional[str] = None,
         index: int = 0,
         lora: Optional[LoraRef] = None,
+        pooling: Optional[PoolingParams] = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -85,6 +92,11 @@ class Request:
         self.eos_token_ids = eos_token_ids
         max_new = sampling_params.max_tokens
         limit = max_model_len if max_new is None else min(max_model_len, len(prompt_token_ids) + max_new)
+        self.pooling = pooling                # set: an embedding request (prefill only)
+        if pooling is not None:
+            if pooling.method is None:
+                raise ValueError("an embedding request needs its pooling method resolved")
+            limit = len(prompt_token_ids)
         self.max_total_tokens = limit
         self.deadline = deadline              # time.time(): end the request then ("timeout")
         self.queue_deadline = queue_deadline  # time.time(): drop it if still unscheduled then
@@ -109,6 +121,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def is_embedding(self) -> bool:
+        """A prefill-only request that returns a pooled vector instead of tokens."""
+        return self.pooling is not None
 
     @property
     def is_finished(self) -> bool:

@@ -16,6 +16,10 @@ prompts starts a few requests a step beside the decodes of those already running
 tokens come out steadily and the requests' ends (and a closed-loop client's next requests)
 do not arrive in lock-step.
 
+Embedding requests (``Request.pooling``) are prefill-only: they share the budget and
+the prefill cap like any prompt, never take speculative drafts, and the engine core
+finishes them in the step that computes their last prompt token.
+
 Waiting requests are ordered by class rank - aging_rate * seconds waited, then arrival
 (lower runs first); running ones by class, decodes before prefills, then arrival. A
 preemption victim never has a better class than the request that needs the blocks.
@@ -189,7 +193,9 @@ class Scheduler:
                 continue
             # a decode verifies its speculative drafts too (k + 1 tokens of the budget);
             # drafts never preempt anyone: without room they are dropped
-            drafts = 0 if is_prefill else min(len(request.spec_token_ids), budget - num_new)
+            # (an embedding request never decodes: it takes no drafts)
+            drafts = 0 if is_prefill or request.is_embedding else min(
+                len(request.spec_token_ids), budget - num_new)
             if not (drafts and self.kv.allocate_slots(request, num_new,
                                                       num_lookahead_tokens=drafts)):
                 drafts = 0

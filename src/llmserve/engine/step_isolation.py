@@ -101,6 +101,8 @@ def merge_outputs(results: list[Any]) -> Any:
         tops.extend(r.top_logprobs if r.top_logprobs is not None else [None] * n)
     merged.logprobs = lps if want_lp else None
     merged.top_logprobs = tops if want_top else None
+    for r in results:
+        merged.pooled.update(r.pooled)
     scored = [r.prompt_logprobs for r in results if r.prompt_logprobs]
     if scored:
         merged.prompt_logprobs = {rid: entry for part in scored for rid, entry in part.items()}

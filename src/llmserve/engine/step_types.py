@@ -16,12 +16,17 @@ Layout of one step (sequences in the order the core lists them)::
 
 A sequence with ``num_samples = k`` (k >= 1) samples from its last ``k`` positions: 1 for a
 normal decode or the end of a prefill, k + 1 when k speculative draft tokens are verified.
+
+An embedding sequence (prefill only) never samples: it is listed in ``StepInput.pooling``
+with how to pool its positions; the step that ends its prompt answers with its vector in
+``StepOutput.pooled`` (plain floats: no tensors cross this seam).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
@@ -35,6 +40,20 @@ class SequenceSampling:
     # speculative drafts (the sequence's last num_samples - 1 tokens) from a draft model:
     # its [k, vocab] distributions (runner-side object); None: a deterministic draft
     draft_probs: object = None
+
+
+@dataclass(frozen=True)
+class SequencePooling:
+    """What the runner needs about one embedding sequence this step.
+
+    ``params.method`` is resolved (never None). ``finishes``: this step computes the
+    sequence's last prompt token, so its vector comes back in this step's output; an
+    earlier chunk only contributes to it (mean pooling sums its rows; a chunk that
+    starts at position 0 begins a fresh sum, e.g. after a preemption).
+    """
+
+    params: PoolingParams
+    finishes: bool
 
 
 @dataclass
@@ -54,6 +73,8 @@ class StepInput:
     prompt_logprob_targets: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     #: per sequence: the LoRA adapter it runs under (a LoraRef; None: the base model)
     loras: list[Optional[object]] = field(default_factory=list)
+    #: request id -> how to pool it: the embedding sequences of this step (num_samples 0)
+    pooling: dict[str, SequencePooling] = field(default_factory=dict)
 
     def add(self, request_id: str, token_ids: Sequence[int], start: int, block_table: list[int],
             num_samples: int, sampling: Optional[SequenceSampling], lora: object = None) -> None:
@@ -119,3 +140,6 @@ class StepOutput:
     # tensors, typed loosely to keep this module torch-free
     logits: object = None
     all_logits: Optional[dict] = None
+    #: request id -> its embedding (float32 values as floats), for the StepInput's pooling
+    #: sequences whose ``finishes`` was set
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 Endpoints:
     POST /v1/chat/completions, POST /v1/completions   generation (SSE when ``stream``)
+    POST /v1/embeddings                                embeddings (engines that pool)
     GET  /v1/models, GET /v1/models/{model}            served model names
     POST /v1/responses, GET/DELETE /v1/responses/{id}  OpenAI's Responses API, stored per tenant
     GET  /v1/responses/{id}/input_items                (server/responses_api/)
@@ -33,6 +34,7 @@ from llmserve.contract.errors import OpenAIError
 from llmserve.contract.gateway_hook import ExtraRoute, Gateway, HTTPCall
 from llmserve.contract.server_limits import ServerLimits
 from llmserve.server.anthropic.routes import MessagesEndpoints, install_messages_routes
+from llmserve.server.embeddings.serving import EmbeddingsEndpoint, install_embedding_routes
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits
 from llmserve.server.lora_adapters import lora_routes
@@ -134,6 +136,7 @@ def create_app(
     install_tokenizer_routes(app, tokenizers)
     install_messages_routes(app, MessagesEndpoints(serving, tokenizers))
     install_responses_routes(app, ResponsesEndpoints(serving, tokenizers, store))
+    install_embedding_routes(app, EmbeddingsEndpoint(serving))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
 
-from llmserve.contract.engine_client import EngineClient
+from llmserve.contract.engine_client import EmbeddingEngine, EngineClient
 from llmserve.contract.errors import OpenAIError
 from llmserve.contract.gateway_hook import (
     CapturedResponse,
@@ -38,6 +38,7 @@ from llmserve.contract.gateway_hook import (
     notify_complete,
     notify_started,
 )
+from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import RequestFailedError, RequestOutput, TokenLogprob
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import request_failed_to_openai, value_error_to_openai
@@ -108,8 +109,15 @@ class GenerationRun:
         release_ids: Callable[[list[str]], None],
         served_model: Optional[str] = None,
         prediction: Optional[str] = None,
+        pooling: Optional[PoolingParams] = None,
     ) -> None:
+        """``pooling``: an embedding request (``engine`` an EmbeddingEngine; ``params``
+        unused but for ``n``, which must be 1): each prompt's vector lands in
+        :attr:`embeddings`."""
         self.engine = engine
+        self.pooling = pooling
+        #: per prompt: its embedding, once the engine sent it (embedding requests)
+        self.embeddings: list[Optional[list[float]]] = [None] * len(prompts)
         self.prediction = prediction   # Predicted Outputs text (chat), passed to the engine
         self.served_model = served_model
         self.prompts = prompts
@@ -143,9 +151,18 @@ class GenerationRun:
             kwargs["queue_deadline"] = ctx.queue_deadline
         if self.prediction is not None:
             kwargs["prediction"] = self.prediction
-        stream = self.engine.generate(
-            self.prompts[prompt_idx], self.params, self.engine_ids[prompt_idx],
-            priority=ctx.priority, cache_salt=ctx.cache_salt, deadline=ctx.deadline, **kwargs)
+        if self.pooling is not None:
+            if not isinstance(self.engine, EmbeddingEngine):
+                raise TypeError("this engine does not serve embeddings")
+            stream = self.engine.embed(
+                self.prompts[prompt_idx], self.pooling, self.engine_ids[prompt_idx],
+                priority=ctx.priority, cache_salt=ctx.cache_salt, deadline=ctx.deadline,
+                queue_deadline=ctx.queue_deadline)
+        else:
+            stream = self.engine.generate(
+                self.prompts[prompt_idx], self.params, self.engine_ids[prompt_idx],
+                priority=ctx.priority, cache_salt=ctx.cache_salt, deadline=ctx.deadline,
+                **kwargs)
         if inspect.isawaitable(stream):  # an `async def` returning an iterator
             stream = await stream
         return stream
@@ -285,6 +302,8 @@ class GenerationRun:
                                        c.stop_reason, offset, new_tokens))
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_idx] = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embeddings[prompt_idx] = out.embedding
         if out.finished:
             self.unfinished.discard(prompt_idx)
             self.cached_tokens[prompt_idx] = out.num_cached_tokens or 0

@@ -48,6 +48,11 @@ class LoraModelView:
     def __getattr__(self, name: str) -> Any:   # tokenizer, max_model_len, abort, stats ...
         return getattr(self.base_engine, name)
 
+    #: embeddings run on the base model only: None keeps the base engine's ``embed`` from
+    #: showing through __getattr__ (not an EmbeddingEngine, so /v1/embeddings answers 400
+    #: instead of returning the base model's vectors under the adapter's name)
+    embed = None
+
     # Spelled out (not only through __getattr__): from Python 3.12 ``isinstance`` against a
     # runtime-checkable protocol looks attributes up statically, past __getattr__.
     async def pin_prefix(self, pin_id: str, token_ids: Sequence[int], cache_salt: Optional[str],

@@ -115,7 +115,7 @@ class OpenAIServing:
         """Stop the tokenizer threads."""
         self.tokenizer_pool.shutdown()
 
-    async def _in_thread(self, ctx: RequestContext, fn: Callable[..., T], *args: Any) -> T:
+    async def in_thread(self, ctx: RequestContext, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking work on the pool, in the line of the request's tenant (or client)."""
         return await self.tokenizer_pool.run(ctx.tenant or ctx.client or "", fn, *args)
 
@@ -173,7 +173,7 @@ class OpenAIServing:
                 param=field, code="context_length_exceeded")
         return requested
 
-    def _reserve_ids(self, base: str, count: int) -> tuple[str, list[str]]:
+    def reserve_ids(self, base: str, count: int) -> tuple[str, list[str]]:
         """A base id not in flight (``base`` or ``base-<random>``) and the engine ids of
         its prompts (the base itself for one prompt, ``base-<i>`` for several)."""
         def ids_for(b: str) -> list[str]:
@@ -186,7 +186,7 @@ class OpenAIServing:
         self._inflight.update(ids)
         return unique, ids
 
-    def _release_ids(self, ids: list[str]) -> None:
+    def release_ids(self, ids: list[str]) -> None:
         self._inflight.difference_update(ids)
 
     # -- the endpoint ----------------------------------------------------------------
@@ -214,7 +214,7 @@ class OpenAIServing:
                 if ctx.replay.request_id:
                     state["response_request_id"] = ctx.replay.request_id
                 return replay_response(ctx.replay)
-            ctx.request_id, engine_ids = self._reserve_ids(request_id, len(prompts))
+            ctx.request_id, engine_ids = self.reserve_ids(request_id, len(prompts))
             ctx.max_tokens, ctx.num_choices = max_tokens, len(prompts) * params.n
             if req.priority is not None:
                 ctx.priority = req.priority
@@ -229,7 +229,7 @@ class OpenAIServing:
                 raise OpenAIError(500, f"the response header {bad_header} cannot be sent",
                                   code="internal_error")
         except BaseException as exc:
-            self._release_ids(engine_ids)
+            self.release_ids(engine_ids)
             if isinstance(exc, OpenAIError):
                 self.metrics.admission.count_rejected(exc.status, exc.code)
             await notify(self.gateway, "on_reject", ctx, exc)
@@ -237,7 +237,7 @@ class OpenAIServing:
         return await self._run(request, ctx, prompts, params, engine_ids, served, headers,
                                chat=chat, req=req, arrival=arrival)
 
-    async def _read(self, request: Request, ctx: RequestContext, arrival: float) -> bytes:
+    async def read_request(self, request: Request, ctx: RequestContext, arrival: float) -> bytes:
         """Size check and ``preadmit`` from the raw size, then the body (413 / 408).
 
         ``preadmit`` runs before the body is read when ``Content-Length`` was declared,
@@ -264,10 +264,10 @@ class OpenAIServing:
         Returns the parsed request, the prompts' token ids, the sampling parameters and
         max_tokens. Returns early (prompts empty) when the gateway set ``ctx.replay``.
         """
-        body = await self._read(request, ctx, arrival)
+        body = await self.read_request(request, ctx, arrival)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         if len(body) > PARSE_INLINE_BYTES:  # big JSON: parse off the event loop
-            req: Any = await self._in_thread(ctx, parse_request, model_cls, body,
+            req: Any = await self.in_thread(ctx, parse_request, model_cls, body,
                                              self.input_limits)
         else:
             req = parse_request(model_cls, body, self.input_limits)
@@ -295,13 +295,13 @@ class OpenAIServing:
                 req.merge_bundle_tools(ctx.prefix_tools)   # the bundle's, then its own
                 params = dataclasses.replace(params, structured_output=req.output_spec)
             try:
-                prompts = [await self._in_thread(ctx, self._chat_prompt, engine, messages,
+                prompts = [await self.in_thread(ctx, self._chat_prompt, engine, messages,
                                                  req.checked_tools)]
             except ValueError as exc:
                 raise bad_request(f"Invalid messages: {exc}", param="messages") from None
             what = "messages"
         else:
-            prompts = await self._in_thread(ctx, self._text_prompts, engine, req.prompt_list(),
+            prompts = await self.in_thread(ctx, self._text_prompts, engine, req.prompt_list(),
                                             req.suffix)
             what = "prompt"
         ctx.prompt_token_ids, ctx.sampling_params = prompts, params
@@ -330,7 +330,7 @@ class OpenAIServing:
                    headers: dict[str, str], *, chat: bool, req: Any, arrival: float) -> Any:
         engine = self.engines[served]
         run = GenerationRun(engine, prompts, params, engine_ids, ctx, self.metrics,
-                            RequestTimer(self.metrics, arrival), self.gateway, self._release_ids,
+                            RequestTimer(self.metrics, arrival), self.gateway, self.release_ids,
                             served_model=served,
                             prediction=req.prediction_text if chat else None)
         prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")

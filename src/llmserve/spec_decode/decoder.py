@@ -130,7 +130,8 @@ class SpeculativeDecoder:
         predicted: list[Request] = []
         predicted_k: list[int] = []
         for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1 or _constrained(req):
+            if (req.num_tokens - req.num_computed_tokens != 1 or _constrained(req)
+                    or req.is_embedding):   # prefill only: never decodes
                 continue
             state = req.spec_state
             if state is None:

@@ -104,6 +104,8 @@ class KVCacheManager:
             return []
         if request.sampling_params.prompt_logprobs is not None:
             return []  # every prompt position must be computed to score it
+        if request.pooling is not None and request.pooling.needs_every_position:
+            return []  # mean / cls pooling read positions a cache hit would skip
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_upto(request, max_blocks * self.block_size)
         hits: list[KVBlock] = []

@@ -185,8 +185,8 @@ class AdmissionController:
             InvalidRequest (code ``kv_cache_capacity_exceeded``):
                 ``ceil((prompt_tokens + max_tokens) / block_size) * block_size > kv_pool_tokens``.
         """
-        if prompt_tokens < 0 or max_tokens < 1:
-            raise ValueError(f"need prompt_tokens >= 0 and max_tokens >= 1, got {prompt_tokens}, {max_tokens}")
+        if prompt_tokens < 0 or max_tokens < 0:   # 0: an embedding (prefill only)
+            raise ValueError(f"need prompt_tokens >= 0 and max_tokens >= 0, got {prompt_tokens}, {max_tokens}")
         total = prompt_tokens + max_tokens
         if total > self.max_model_len:
             self._count_invalid()

@@ -27,6 +27,7 @@ from llmserve.model.executor.compiled_verify import CompiledVerifyStep
 from llmserve.model.executor.input_buffers import InputBuffers
 from llmserve.model.executor.kernel_plan import format_kernel_plan, kernel_plan
 from llmserve.model.executor.kv_cache import KVCachePool, plan_num_blocks
+from llmserve.model.executor.pooler import Pooler
 from llmserve.model.executor.sharding import RankSharding
 from llmserve.model.layers.compiled_rows import enable_compiled_rows
 from llmserve.model.loading.loader import CheckpointSource
@@ -104,6 +105,7 @@ class ModelRunner:
         self.eos_token_ids = set(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
         self.adjuster = LogitsAdjuster(self.device)   # logit_bias and grammar masks
+        self.pooler = Pooler()   # embedding requests: hidden states -> vectors (pooler.py)
         #: which logits a step hands back beside its tokens (capture.py): the draft model
         #: reads its sampled rows, the quality eval every position's, parity tests both
         self.capture = LogitsCapture.NONE
@@ -171,9 +173,10 @@ class ModelRunner:
         return self.adjuster.matchers.as_engine_stats()
 
     def release(self, request_id: str) -> None:
-        """Forget per-request sampling state (its seeded generator)."""
+        """Forget per-request state (its seeded generator, grammar, pooling sums)."""
         self.generators.pop(request_id, None)
         self.adjuster.release(request_id)
+        self.pooler.release(request_id)
 
     # ---- one step -------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepOutput:
@@ -184,8 +187,9 @@ class ModelRunner:
         for rid in step.finished_request_ids:
             self.release(rid)
         order = self._order(step)
+        # LoRA steps and steps that pool hidden states (embeddings) run eagerly
         plain = (LogitsCapture.ALL not in self.capture and not step.prompt_logprob_targets
-                 and (self.lora is None or not any(step.loras)))   # LoRA steps: eager
+                 and not step.pooling and (self.lora is None or not any(step.loras)))
         plain = plain and self.graphs_ready
         compiled = (plain and self.compiled is not None and step.is_decode_only
                     and self.compiled.accepts(step.num_seqs))
@@ -215,6 +219,9 @@ class ModelRunner:
                 if LogitsCapture.ALL in self.capture:
                     logits_all = self.model.compute_logits(hidden)
             out = self._sample(step, order, staged, hidden, logits, logits_all)
+            if step.pooling and (self.sharding is None or self.sharding.samples):
+                out.pooled = self.pooler.pool(hidden, step, order, staged.row_starts,
+                                              self.model.norm)
             if step.prompt_logprob_targets:
                 out.prompt_logprobs = score_prompt_tokens(self.model, hidden, staged.row_starts,
                                                           order, step)

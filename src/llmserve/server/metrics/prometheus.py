@@ -38,6 +38,7 @@ _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0
 ENDPOINT_LABELS = {
     "/v1/chat/completions": "chat_completions",
     "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
     "/v1/models": "models",
     "/health": "health",
     "/ready": "ready",
@@ -223,6 +224,10 @@ class ServerMetrics:
         self.client_disconnects = Counter(
             "llmserve_client_disconnects",
             "Generation requests whose client went away before the response ended",
+            LABELS, registry=reg).labels(*lv)
+        self.embedding_inputs = Counter(
+            "llmserve_embedding_inputs",
+            "Inputs embedded by /v1/embeddings (one vector each)",
             LABELS, registry=reg).labels(*lv)
         self.in_progress = Gauge("llmserve_generation_requests_in_progress",
                                  "Generation requests being served by the HTTP server",

@@ -1,0 +1,1 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings API over prefill-only engine requests."""
