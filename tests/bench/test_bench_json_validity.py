@@ -154,7 +154,7 @@ def tiny_model(tmp_path_factory) -> str:
                                 seed=3)
 
 
-def test_compare_real_llmserve_and_a_fake_peer(tmp_path, tiny_model):
+def test_compare_real_llmserve_and_a_fake_peer(tmp_path, tiny_model, capsys):
     """llmserve (a real process on a tiny random model) against a peer whose answers are
     not JSON: the grammar keeps every llmserve answer valid or cut, never invalid."""
     out = tmp_path / "cmp"
@@ -183,3 +183,4 @@ def test_compare_real_llmserve_and_a_fake_peer(tmp_path, tiny_model):
     assert ratios["overall"] == (0 if ours["overall"]["valid"] else None)
     md = (out / "compare.md").read_text()
     assert "### JSON validity" in md and "| Schema | llmserve valid | plain valid |" in md
+    assert f"plain: ok, valid JSON 0/{2 * len(SCHEMAS)}" in capsys.readouterr().out

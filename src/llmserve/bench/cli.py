@@ -182,8 +182,12 @@ def bench_compare_command(args: argparse.Namespace) -> int:
         return 2
     doc = run_compare(servers, options, specs, tok_name)
     for s in doc["servers"]:
+        validity = [r["metrics"]["validity"]["overall"] for r in s["runs"]
+                    if "validity" in r["metrics"]]
         sys.stdout.write(f"{s['name']}: {s['status']}" + (f" ({s['error'].splitlines()[0]})"
-                                                           if s["error"] else "") + "\n")
+                                                           if s["error"] else "")
+                         + "".join(f", valid JSON {v['valid']}/{v['total']}" for v in validity)
+                         + "\n")
     sys.stdout.write(f"report: {Path(options.output_dir) / 'compare.md'}\n")
     return 0 if all(s["status"] == "ok" for s in doc["servers"]) else 1
 

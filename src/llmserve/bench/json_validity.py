@@ -268,4 +268,4 @@ def validity_markdown(named: Sequence[tuple[str, dict]]) -> str:
 
 
 def _pairs(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
