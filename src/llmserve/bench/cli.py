@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from llmserve.bench.kv_calc import DTYPE_BYTES
 from llmserve.bench.metrics import DEFAULT_BUCKET_EDGES, parse_slo
-from llmserve.bench.workloads import WORKLOADS
+from llmserve.bench.workloads import WORKLOAD_DEFAULTS, WORKLOADS
 
 if TYPE_CHECKING:
     from llmserve.bench.peers import PeerSettings
@@ -45,10 +45,12 @@ def _rate(text: str) -> float:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="random")
-    g.add_argument("--num-prompts", type=_positive_int, default=100, help="requests per run")
+    g.add_argument("--num-prompts", type=_positive_int, default=100,
+                   help="requests per run (json-validity: per schema)")
     g.add_argument("--input-len", type=_positive_int, default=256,
                    help="prompt tokens (random: mean; shared-prefix: suffix; chat: per turn)")
-    g.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request")
+    g.add_argument("--output-len", type=_positive_int, default=128,
+                   help="max_tokens per request (json-validity: at most, answers end themselves)")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [L*(1-r), L*(1+r)]")
     g.add_argument("--num-groups", type=_positive_int, default=4, help="shared-prefix: groups")
@@ -63,14 +65,17 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load and output")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default=None,
+                   help="default: completions (json-validity: chat)")
     g.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="Poisson arrivals per second; inf sends all at once")
     g.add_argument("--max-concurrency", type=_positive_int, default=None)
     g.add_argument("--sweep", help="concurrency=1,4,16,64 or request_rate=1,2,inf")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let the model stop early (default: exact lengths via ignore_eos)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", default=None,
+                   help="let the model stop early (default: exact lengths via ignore_eos; "
+                        "json-validity: always stops early)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default 0 (json-validity: 1)")
     g.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     g.add_argument("--slo", help="goodput SLOs, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=10000")
     g.add_argument("--buckets", help="input-length bucket edges, e.g. 0,128,512,2048")
@@ -89,15 +94,18 @@ def options_from_args(args: argparse.Namespace, base_url: str = "") -> "BenchOpt
         raise ValueError("--extra-body must be a JSON object")
     edges = (tuple(int(x) for x in args.buckets.split(",") if x.strip()) if args.buckets
              else DEFAULT_BUCKET_EDGES)
+    wanted = {"endpoint": "completions", "temperature": 0.0, "ignore_eos": True,
+              **WORKLOAD_DEFAULTS.get(args.workload, {})}
+    chosen = {k: wanted[k] if getattr(args, k) is None else getattr(args, k) for k in wanted}
     return BenchOptions(
         base_url=base_url, output_dir=Path(args.output_dir),
         model=getattr(args, "served_model", None),
-        endpoint=args.endpoint, workload=args.workload, num_prompts=args.num_prompts,
+        endpoint=chosen["endpoint"], workload=args.workload, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         num_groups=args.num_groups, prefix_len=args.prefix_len, num_turns=args.num_turns,
         dataset=args.dataset, seed=args.seed, tokenizer=args.tokenizer,
         request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=extra,
+        ignore_eos=chosen["ignore_eos"], temperature=chosen["temperature"], extra_body=extra,
         slo=parse_slo(args.slo), bucket_edges=edges, request_timeout_s=args.request_timeout,
         sweep=parse_sweep(args.sweep), progress=args.progress, make_plots=args.make_plots)
 
@@ -174,8 +182,12 @@ def bench_compare_command(args: argparse.Namespace) -> int:
         return 2
     doc = run_compare(servers, options, specs, tok_name)
     for s in doc["servers"]:
+        validity = [r["metrics"]["validity"]["overall"] for r in s["runs"]
+                    if "validity" in r["metrics"]]
         sys.stdout.write(f"{s['name']}: {s['status']}" + (f" ({s['error'].splitlines()[0]})"
-                                                           if s["error"] else "") + "\n")
+                                                           if s["error"] else "")
+                         + "".join(f", valid JSON {v['valid']}/{v['total']}" for v in validity)
+                         + "\n")
     sys.stdout.write(f"report: {Path(options.output_dir) / 'compare.md'}\n")
     return 0 if all(s["status"] == "ok" for s in doc["servers"]) else 1
 

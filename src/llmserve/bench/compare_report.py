@@ -8,7 +8,9 @@
      "servers": [{"name", "status": "ok"|"failed", "error", "command", "model",
                   "results_file": "llmserve/results.json",
                   "runs": [{"label", "metrics": {...}}]}],        # no per-request data here
-     "ratios": {"<server>": [{"label", "<metric key>": value / baseline value | null}]},
+     "ratios": {"<server>": [{"label", "<metric key>": value / baseline value | null,
+                              "validity": {"<schema>"|"overall": valid share ratio}}]},
+                                                  # "validity": json-validity runs only
      "files": {"report": "compare.md", "plots": [...]}}
 
 Ratio keys are the rows of :data:`COMPARE_ROWS` (e.g. ``output_token_throughput``,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from llmserve.bench.json_validity import validity_markdown
 from llmserve.bench.report import SCHEMA_VERSION, fmt, md_table, utc_now_iso
 
 #: (metric key, label, higher is better) rows of the side-by-side table.
@@ -56,6 +59,20 @@ def ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
     return value / base
 
 
+def validity_ratios(metrics: dict, base: dict) -> dict:
+    """``{"validity": {schema | "overall": valid share / the baseline's}}`` when both runs
+    carry a json-validity summary, else ``{}``."""
+    if "validity" not in metrics or "validity" not in base:
+        return {}
+    mine, theirs = metrics["validity"], base["validity"]
+    keys = list(theirs["schemas"]) + ["overall"]
+    return {"validity": {key: ratio(
+        metric_value(mine, "overall.valid_share" if key == "overall"
+                     else f"schemas.{key}.valid_share"),
+        metric_value(theirs, "overall.valid_share" if key == "overall"
+                     else f"schemas.{key}.valid_share")) for key in keys}}
+
+
 def comparison_document(entries: list[dict], workload: dict, settings: dict) -> dict:
     """Build compare.json's content from per-server entries (see the module docstring)."""
     ok = [e for e in entries if e["status"] == "ok"]
@@ -75,7 +92,8 @@ def comparison_document(entries: list[dict], workload: dict, settings: dict) -> 
             ratios[s["name"]] = [
                 {"label": run["label"], **{key: ratio(metric_value(run["metrics"], key),
                                                       metric_value(base["metrics"], key))
-                                           for key, _, _ in COMPARE_ROWS}}
+                                           for key, _, _ in COMPARE_ROWS},
+                 **validity_ratios(run["metrics"], base["metrics"])}
                 for run, base in zip(s["runs"], base_runs)]
     return {
         "schema_version": SCHEMA_VERSION, "tool": "llmserve bench compare",
@@ -146,6 +164,12 @@ def render_comparison(doc: dict, plot_files: Sequence[str] = ()) -> str:
             title = f"## {run['label']}" if len(ok[0]["runs"]) > 1 else "## Results"
             out += [title, "", side_by_side_table(doc, i), "", "### TTFT by input length", "",
                     buckets_side_by_side(doc, i), ""]
+            with_validity = [(s["name"], s["runs"][i]["metrics"]["validity"]) for s in ok
+                             if len(s["runs"]) > i and "validity" in s["runs"][i]["metrics"]]
+            if with_validity:
+                out += ["### JSON validity", "", "Valid answers (parse and validate against "
+                        "the schema); the ratio is of the valid shares.", "",
+                        validity_markdown(with_validity), ""]
     else:
         out += ["No server completed the run.", ""]
     if plot_files:

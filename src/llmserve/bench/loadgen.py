@@ -204,7 +204,10 @@ def _apply_event(data: str, now: float, record: RequestRecord) -> tuple[bool, bo
     if any(texts):
         record.arrival_times.append(now)
         record.reply_text.extend(t for t in texts if t)
-    return False, any(c.get("finish_reason") for c in choices)
+    finishes = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+    if finishes:
+        record.finish_reason = finishes[0]
+    return False, bool(finishes)
 
 
 class ProgressBar:

@@ -65,7 +65,8 @@ class RequestRecord:
     conversation_id: Optional[int] = None
     turn: Optional[int] = None
     usage_cached_tokens: Optional[int] = None   # usage.prompt_tokens_details.cached_tokens
-    reply_text: list[str] = field(default_factory=list)  # the streamed answer (multi-turn)
+    reply_text: list[str] = field(default_factory=list)  # the streamed answer
+    finish_reason: Optional[str] = None  # the last finish_reason streamed (first choice)
 
     @property
     def output_tokens(self) -> int:
@@ -124,7 +125,7 @@ class RequestRecord:
             "expected_output_len": self.expected_output_len,
             "usage_reported": self.usage_completion_tokens is not None,
             "conversation_id": self.conversation_id, "turn": self.turn,
-            "cached_tokens": self.usage_cached_tokens,
+            "cached_tokens": self.usage_cached_tokens, "finish_reason": self.finish_reason,
             "send_time": r(self.send_time), "ttft": r(self.ttft), "tpot": r(self.tpot),
             "e2e": r(self.e2e), "itl": [round(x, 6) for x in self.itls],
         }

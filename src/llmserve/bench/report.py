@@ -7,7 +7,7 @@ Results JSON (``results.json``), ``schema_version`` 1::
       "tool": "llmserve bench serve",
       "created": "2025-01-01T00:00:00+00:00",       # UTC, ISO 8601
       "base_url": "http://127.0.0.1:8000", "model": "...", "endpoint": "completions"|"chat",
-      "workload": {"name": "random"|"shared-prefix"|"chat"|"multi-turn"|"jsonl", "num_prompts": N,
+      "workload": {"name": "random"|"shared-prefix"|..., "num_prompts": N,
                    "input_len": .., "output_len": .., "range_ratio": .., "num_groups": ..,
                    "prefix_len": .., "num_turns": .., "dataset": .., "seed": ..,
                    "tokenizer": "<class name>", "mean_input_len": .., "mean_output_len": ..},
@@ -32,8 +32,10 @@ Results JSON (``results.json``), ``schema_version`` 1::
            "by_input_len": [{"bucket": "[128, 256)", "lo", "hi", "num_requests",
                              "completed", "total_input_tokens", "total_output_tokens",
                              "good_requests", "errors", "ttft_ms", "tpot_ms", "itl_ms",
-                             "e2e_ms"}]},
-         "requests": [RequestRecord.to_dict(), ...]}],   # times in seconds
+                             "e2e_ms"}],
+           "validity": {...}},                        # json-validity only (bench/json_validity.py)
+         "requests": [RequestRecord.to_dict(), ...],  # times in seconds
+         "answers": [{"id", "schema", "seed", "verdict", "text", ...}]}],  # json-validity only
       "files": {"report": "report.md", "plots": ["latency_cdf.png", ...]}
     }
 """
@@ -169,6 +171,10 @@ def render_markdown(results: dict, plots: Sequence[str] = ()) -> str:
         out += [title, "", summary_table(m), "", "### Latency", "", latency_table(m), "",
                 "### Errors", "", errors_table(m), "", "### By input length", "",
                 buckets_table(m), ""]
+        if m.get("validity"):
+            from llmserve.bench.json_validity import validity_markdown
+
+            out += ["### JSON validity", "", validity_markdown([("server", m["validity"])]), ""]
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     return "\n".join(out)
@@ -179,7 +185,9 @@ def summary_line(label: str, m: dict) -> str:
     return (f"{label}: {m['completed']}/{m['num_requests']} ok, "
             f"{m['request_throughput']:.2f} req/s, {m['output_token_throughput']:.1f} out tok/s, "
             f"TTFT p50 {fmt(m['ttft_ms']['p50'])} ms, TPOT p50 {fmt(m['tpot_ms']['p50'])} ms, "
-            f"errors {m['errors'] or 'none'}")
+            f"errors {m['errors'] or 'none'}"
+            + (f", valid JSON {m['validity']['overall']['valid']}/"
+               f"{m['validity']['overall']['total']}" if m.get("validity") else ""))
 
 
 def write_report(out_dir: Path, results: dict, plots: Sequence[str],

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from llmserve.bench import plots, report, server_counters
+from llmserve.bench import json_validity, plots, report, server_counters
 from llmserve.bench.loadgen import LoadResult, run_load
 from llmserve.bench.metrics import DEFAULT_BUCKET_EDGES, compute_metrics, concurrency_throughput_series
 from llmserve.bench.workloads import RequestSpec, TextTokenizer, build_workload, load_tokenizer
@@ -54,6 +54,11 @@ class BenchOptions:
     sweep: Optional[tuple[str, list[float]]] = None
     progress: bool = True
     make_plots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.workload == "json-validity" and (self.endpoint != "chat" or self.ignore_eos):
+            raise ValueError("the json-validity workload sends chat requests whose answers "
+                             "end themselves: use the chat endpoint, without ignore_eos")
 
 
 def parse_sweep(text: Optional[str]) -> Optional[tuple[str, list[float]]]:
@@ -140,6 +145,10 @@ async def execute_runs(options: BenchOptions, specs: Sequence[RequestSpec]
             progress=options.progress, label=label)
         model = result.model
         entry = run_entry(label, rate, conc, result, options)
+        if options.workload == "json-validity":
+            scored = json_validity.answers(point_specs, result.records)
+            entry["metrics"]["validity"] = json_validity.validity_summary(scored)
+            entry["answers"] = scored
         entry["metrics"]["server_counters"] = server_counters.counter_delta(
             before, await server_counters.scrape(options.base_url))
         logger.info("%s", report.summary_line(label, entry["metrics"]))

@@ -22,6 +22,10 @@ Workloads:
   under a grammar mask; the schema never forces the output to end, so ``ignore_eos``
   runs keep their exact output length. Compare with ``random`` at the same seed and
   lengths for the cost of the masks.
+* ``json-validity``: chat requests with a ``response_format`` JSON schema, sampled
+  (temperature 1, one seed each), ``num_prompts`` per schema; the answers end themselves
+  and are scored for validity (bench/json_validity.py). Unlike ``json-schema`` it measures
+  how often an answer is valid, not what the masks cost.
 * ``multi-turn``: conversations whose later turns carry the server's real answers (use
   with ``--endpoint chat``): turn 0 is a system message + a user message of
   ``input_len`` tokens; each later turn sends the previous turn's messages, the answer
@@ -48,8 +52,14 @@ from typing import Optional, Protocol
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("random", "shared-prefix", "chat", "multi-turn", "json-schema", "jsonl",
-             "extractive")
+WORKLOADS = ("random", "shared-prefix", "chat", "multi-turn", "json-schema", "json-validity",
+             "jsonl", "extractive")
+
+#: Request settings a workload needs, used where the user did not set them (the CLI's
+#: --endpoint, --temperature, --no-ignore-eos); the rest get "completions", 0.0 and True.
+WORKLOAD_DEFAULTS: dict[str, dict] = {
+    "json-validity": {"endpoint": "chat", "temperature": 1.0, "ignore_eos": False},
+}
 
 #: The schema of the json-schema workload: records without a bound, so never forced to end.
 BENCH_JSON_SCHEMA = {
@@ -384,6 +394,10 @@ def build_workload(name: str, tokenizer: TextTokenizer, *, num_prompts: int, inp
             s.request_id = s.request_id.replace("random", "json-schema", 1)
             s.extra["structured_outputs"] = {"json": BENCH_JSON_SCHEMA}   # chat and completions
         return specs
+    if name == "json-validity":
+        from llmserve.bench.json_validity import json_validity_workload
+
+        return json_validity_workload(tokenizer, num_prompts, output_len, seed)
     if name == "multi-turn":
         return multi_turn_workload(tokenizer, num_prompts, num_turns, input_len, output_len, seed)
     if name == "jsonl":
