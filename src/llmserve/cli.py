@@ -182,6 +182,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from llmserve.router.cli import cmd_serve_replicas
 
+        if args.kv_events_config:
+            raise ValueError("--kv-events-config is not supported with --data-parallel-size > 1 "
+                             "(run one pod per replica: docs/SCALING.md)")
         if args.lora_modules or args.max_loras:
             raise ValueError("LoRA adapters are not supported with --data-parallel-size > 1")
 
@@ -189,7 +192,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.startup_compile is None:
         args.startup_compile = "background"
     config = engine_config_from_args(args)
-    engine = AsyncLLM.from_config(config)
+    from llmserve.integrations.kv_events.publisher import build_publisher
+
+    kv_events = build_publisher(args.kv_events_config)   # None unless events are enabled
+    try:
+        engine = AsyncLLM.from_config(config, kv_events=kv_events)
+    except BaseException:
+        if kv_events is not None:
+            kv_events.shutdown()
+        raise
     names = [args.served_model_name] if args.served_model_name else None
     engines = {}
     try:
@@ -217,6 +228,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for other in engines.values():
             other.shutdown()
         engine.shutdown()
+        if kv_events is not None:
+            kv_events.shutdown()
     return 0
 
 
@@ -290,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes) behind this server's router (SCALING.md)")
     s.add_argument("--replica-log-dir", default=None, help="log files of the replicas")
+    s.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
+                        "(needs llmserve[kv-events]; docs/SCALING.md)")
     add_server_limit_args(s)
     from llmserve.router.cli import add_router_args, add_scale_commands
 
