@@ -223,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
               served_model_names=names, gateway=gateway, engines=engines,
               limits=server_limits_from_args(args, gateway),
-              responses_store=responses_store_from_args(args))
+              responses_store=responses_store_from_args(args),
+              timeout_graceful_shutdown=args.drain_timeout)
     finally:
         for other in engines.values():
             other.shutdown()
@@ -303,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes) behind this server's router (SCALING.md)")
     s.add_argument("--replica-log-dir", default=None, help="log files of the replicas")
+    s.add_argument("--drain-timeout", type=int, default=30, metavar="SECONDS",
+                   help="on SIGTERM: refuse new requests, give in-flight ones this long to "
+                        "finish, abort the rest, exit 0 (keep it below the pod's "
+                        "terminationGracePeriodSeconds)")
     s.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
                         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "

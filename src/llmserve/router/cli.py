@@ -70,7 +70,8 @@ def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callab
         gateway = build_gateway(args.config, router, served_model_names=names)
     serve(router, args.host, args.port, log_level=str(args.log_level).lower(),
           served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway),
-          responses_store=ResponseStore(args.responses_store, args.responses_ttl))
+          responses_store=ResponseStore(args.responses_store, args.responses_ttl),
+          timeout_graceful_shutdown=getattr(args, "drain_timeout", 5))
 
 
 def engine_argv(args: argparse.Namespace, add_engine_args: Callable) -> list[str]:

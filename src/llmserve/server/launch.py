@@ -9,6 +9,7 @@ import uvicorn
 from llmserve.contract.engine_client import EngineClient
 from llmserve.contract.server_limits import ServerLimits
 from llmserve.server.app import create_app
+from llmserve.server.drain import DrainGate, DrainingServer, DrainState
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,19 @@ def build_server(
 
     Call ``server.run()`` to serve in the calling thread, or run it in a background
     thread and set ``server.should_exit = True`` to stop it (signal handlers are
-    installed only on the main thread).
+    installed only on the main thread). On SIGTERM it drains: new requests get 503,
+    in-flight ones have ``timeout_graceful_shutdown`` seconds to finish
+    (:mod:`llmserve.server.drain`).
     """
     limits = limits or ServerLimits()
     app = create_app(engine, limits=limits, **app_kwargs)
+    drain = DrainState()
+    app.add_middleware(DrainGate, state=drain)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, workers=1, access_log=access_log,
         lifespan="on", timeout_graceful_shutdown=timeout_graceful_shutdown,
         **limits.uvicorn_kwargs())
-    return uvicorn.Server(config)
+    return DrainingServer(config, drain)
 
 
 def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
