@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import uvicorn
 
@@ -23,11 +23,13 @@ def build_server(
     access_log: bool = True,
     timeout_graceful_shutdown: Optional[int] = 5,
     limits: Optional[ServerLimits] = None,
+    middleware: Sequence[Callable[[Any], Any]] = (),
     **app_kwargs: Any,
 ) -> uvicorn.Server:
     """A configured (not yet running) uvicorn Server for ``engine``.
 
-    ``limits`` (default :class:`~llmserve.contract.server_limits.ServerLimits`) sets the
+    ``middleware``: extra pure-ASGI classes wrapped around the app (outermost last),
+    e.g. a router's replica header. ``limits`` (default :class:`~llmserve.contract.server_limits.ServerLimits`) sets the
     connection cap, keep-alive and header timeouts, the largest request head, and goes
     to the app for the body limits. ``app_kwargs`` go to
     :func:`~llmserve.server.app.create_app` (``served_model_names``, ``gateway``,
@@ -41,6 +43,8 @@ def build_server(
     """
     limits = limits or ServerLimits()
     app = create_app(engine, limits=limits, **app_kwargs)
+    for layer in middleware:
+        app.add_middleware(layer)  # type: ignore[arg-type]  # a pure-ASGI class
     drain = DrainState()
     app.add_middleware(DrainGate, state=drain)
     config = uvicorn.Config(
