@@ -44,7 +44,7 @@ def build_server(
     limits = limits or ServerLimits()
     app = create_app(engine, limits=limits, **app_kwargs)
     for layer in middleware:
-        app.add_middleware(layer)  # type: ignore[arg-type]  # a pure-ASGI class
+        app.add_middleware(layer)   # a pure-ASGI class
     drain = DrainState()
     app.add_middleware(DrainGate, state=drain)
     config = uvicorn.Config(
