@@ -149,9 +149,10 @@ class AsyncLLM:
         self._loop()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
-        """Build the engine for ``config`` on the engine thread and start serving it."""
-        return cls(engine_factory=lambda: LLMEngine(config))
+    def from_config(cls, config: EngineConfig, **engine_kwargs: Any) -> "AsyncLLM":
+        """Build the engine for ``config`` on the engine thread and start serving it
+        (``engine_kwargs`` go to :class:`LLMEngine`, e.g. ``kv_events``)."""
+        return cls(engine_factory=lambda: LLMEngine(config, **engine_kwargs))
 
     # ---- client side ----------------------------------------------------------------------
     def is_ready(self) -> bool:

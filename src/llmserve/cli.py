@@ -187,6 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from llmserve.router.cli import cmd_serve_replicas
 
+        if args.kv_events_config:
+            raise ValueError("--kv-events-config is not supported with --data-parallel-size > 1 "
+                             "(run one pod per replica: docs/SCALING.md)")
         if args.lora_modules or args.max_loras:
             raise ValueError("LoRA adapters are not supported with --data-parallel-size > 1")
 
@@ -194,7 +197,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.startup_compile is None:
         args.startup_compile = "background"
     config = engine_config_from_args(args)
-    engine = AsyncLLM.from_config(config)
+    from llmserve.integrations.kv_events.publisher import build_publisher
+
+    kv_events = build_publisher(args.kv_events_config)   # None unless events are enabled
+    try:
+        engine = AsyncLLM.from_config(config, kv_events=kv_events)
+    except BaseException:
+        if kv_events is not None:
+            kv_events.shutdown()
+        raise
     names = [args.served_model_name] if args.served_model_name else None
     engines = {}
     try:
@@ -217,11 +228,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
               served_model_names=names, gateway=gateway, engines=engines,
               limits=server_limits_from_args(args, gateway),
-              responses_store=responses_store_from_args(args))
+              responses_store=responses_store_from_args(args),
+              timeout_graceful_shutdown=args.drain_timeout)
     finally:
         for other in engines.values():
             other.shutdown()
         engine.shutdown()
+        if kv_events is not None:
+            kv_events.shutdown()
     return 0
 
 
@@ -295,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes) behind this server's router (SCALING.md)")
     s.add_argument("--replica-log-dir", default=None, help="log files of the replicas")
+    s.add_argument("--drain-timeout", type=int, default=30, metavar="SECONDS",
+                   help="on SIGTERM: refuse new requests, give in-flight ones this long to "
+                        "finish, abort the rest, exit 0 (keep it below the pod's "
+                        "terminationGracePeriodSeconds)")
+    s.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
+                        "(needs llmserve[kv-events]; docs/SCALING.md)")
     add_server_limit_args(s)
     from llmserve.router.cli import add_router_args, add_scale_commands
 

@@ -20,6 +20,7 @@ from llmserve.config import EngineConfig
 from llmserve.default_model import resolve_model_path
 from llmserve.engine.core import EngineCore, SequenceUpdate
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
+from llmserve.engine.kv.kv_events import KVEventLog, KVEventPublisher
 from llmserve.engine.output.processor import OutputProcessor
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import Scheduler
@@ -50,7 +51,9 @@ class UserRequest:
 class LLMEngine:
     """Synchronous engine: `add_request`, then call `step()` until nothing is left."""
 
-    def __init__(self, config: EngineConfig, *, check_invariants: bool = False) -> None:
+    def __init__(self, config: EngineConfig, *, check_invariants: bool = False,
+                 kv_events: Optional[KVEventPublisher] = None) -> None:
+        """``kv_events``: where each step's KV-cache events go (``--kv-events-config``)."""
         import torch  # noqa: F401  (the runner needs it; imported here to keep errors early)
 
         from llmserve.model.executor.executor import RunnerArgs, build_executor
@@ -99,6 +102,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, self.fingerprint,
                                  committed_blocks=self.runner.committed_blocks)
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.kv.enable_events(KVEventLog(config.cache.block_size, kv_events.hashing))
+            logger.info("KV events: block hashes %s; llmserve hash-chain root (no namespace) %s",
+                        kv_events.hashing.mode, self.kv.root(None).hex())
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras=config.lora.max_loras,
                                    admission_watermark_blocks=max(1, self.runner.num_blocks // 100))
         self.spec = build_speculation(config, TargetModel(
@@ -270,7 +278,14 @@ class LLMEngine:
         """One engine step; returns the deltas of every user request that changed."""
         updates = self.core.expire_deadlines(time.time())
         updates += self.core.step()
+        self._publish_kv_events()
         return self._fold(updates)
+
+    def _publish_kv_events(self) -> None:
+        """Hand the step's KV-cache events to the publisher (it sends them off-thread)."""
+        log = self.kv.events
+        if log is not None and log.events and self.kv_events is not None:
+            self.kv_events.publish(log.take())
 
     def _fold(self, updates: list[SequenceUpdate]) -> list[RequestOutput]:
         by_parent: dict[str, RequestOutput] = {}
@@ -328,8 +343,10 @@ class LLMEngine:
         """Forget cached prefixes: all, or one namespace's (``with_children``: and its
         ``namespace|...`` sub-namespaces). Pinned blocks keep their hashes. Returns how
         many block hashes were dropped."""
-        return self.kv.reset_prefix_cache(namespace, all_namespaces=namespace is None,
-                                          with_children=with_children, keep_pinned=True)
+        dropped = self.kv.reset_prefix_cache(namespace, all_namespaces=namespace is None,
+                                             with_children=with_children, keep_pinned=True)
+        self._publish_kv_events()
+        return dropped
 
     # ---- pinned prefixes and cache stats (call on the engine thread) -------------------
     @property

@@ -182,3 +182,7 @@ class EngineStats:
     grammar_compile_seconds_total: float = 0.0
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0
+    block_size: int = 0                    # KV block size in tokens (0: unknown)
+    max_loras: int = 0                     # LoRA slots (distinct adapters per step; 0: off)
+    lora_running: list[str] = field(default_factory=list)  # adapters of running requests
+    lora_waiting: list[str] = field(default_factory=list)  # adapters of queued requests

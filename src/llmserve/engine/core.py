@@ -299,5 +299,9 @@ class EngineCore:
             num_step_reruns=self.num_step_reruns,
             weight_bytes=self.runner.weight_bytes,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            block_size=self.kv.block_size,
+            max_loras=s.max_loras,
+            lora_running=sorted({r.lora.name for r in s.running if r.lora is not None}),
+            lora_waiting=sorted({r.lora.name for r in s.waiting if r.lora is not None}),
             **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )

@@ -59,6 +59,7 @@ def _connect(urls: list[str], token: Optional[str], args: argparse.Namespace) ->
 
 
 def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callable) -> None:
+    from llmserve.router.replica_header import ReplicaHeaderMiddleware
     from llmserve.server.launch import serve
     from llmserve.server.responses_api.store import ResponseStore
 
@@ -70,7 +71,9 @@ def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callab
         gateway = build_gateway(args.config, router, served_model_names=names)
     serve(router, args.host, args.port, log_level=str(args.log_level).lower(),
           served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway),
-          responses_store=ResponseStore(args.responses_store, args.responses_ttl))
+          responses_store=ResponseStore(args.responses_store, args.responses_ttl),
+          timeout_graceful_shutdown=getattr(args, "drain_timeout", 5),
+          middleware=[ReplicaHeaderMiddleware])
 
 
 def engine_argv(args: argparse.Namespace, add_engine_args: Callable) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from llmserve.protocol import EngineStats, RequestFailedError, RequestOutput
 from llmserve.router.policy import RoutingConfig, affinity_key, choose_replica
 from llmserve.router.replica_client import ReplicaClient, ReplicaUnavailable
+from llmserve.router.replica_header import note_replica
 from llmserve.router.replica_set import Replica, ReplicaSet
 from llmserve.router.wire import sum_stats
 from llmserve.sampling_params import SamplingParams
@@ -119,6 +120,7 @@ class RouterEngine:
                 raise _unavailable("no engine replica is available" + (
                     " (the request failed on " + ", ".join(sorted(tried)) + ")" if tried else ""))
             tried.add(replica.name)
+            note_replica(replica.name)   # the x-llmserve-replica response header
             budget = _OutstandingTokens(replica, self.replicas, len(prompt),
                                         (params.max_tokens or self.max_model_len) * params.n)
             self._where[request_id] = replica

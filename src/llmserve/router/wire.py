@@ -181,7 +181,7 @@ def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
             if isinstance(mine, dict):
                 for key, value in theirs.items():
                     mine[key] = mine.get(key, 0) + value
-            elif f.name == "kv_bytes_per_token" or f.name == "weight_bytes":
+            elif f.name in ("kv_bytes_per_token", "weight_bytes", "block_size", "max_loras"):
                 setattr(total, f.name, max(mine, theirs))   # per replica, not additive
             elif isinstance(mine, (int, float)):
                 setattr(total, f.name, mine + theirs)

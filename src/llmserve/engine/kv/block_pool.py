@@ -34,9 +34,17 @@ ledger check can verify that no chain crosses namespaces.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 from llmserve.engine.kv.block_hash import BlockHash
+
+
+class CacheRemovals(Protocol):
+    """Told when cached hashes leave the map (the KV event log: engine/kv/kv_events.py)."""
+
+    def removed(self, block_hashes: Iterable[BlockHash]) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class KVBlock:
@@ -121,6 +129,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         self.pin_refs: dict[int, int] = {}   # block id -> references held by pins
+        self.removals: Optional[CacheRemovals] = None   # KV events (off: None)
 
     @property
     def num_reserve_blocks(self) -> int:
@@ -207,16 +216,18 @@ class BlockPool:
         self.free(blocks)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, namespace: Optional[str],
-                    parent_hash: Optional[BlockHash] = None) -> None:
-        """Register a full block under its chained hash (first writer wins)."""
+                    parent_hash: Optional[BlockHash] = None) -> bool:
+        """Register a full block under its chained hash (first writer wins); True when
+        the hash is new to the cache."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays private
+            return False  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         block.namespace = namespace
         block.parent_hash = parent_hash
         self.cached[block_hash] = block
+        return True
 
     def uncache(self, blocks: Iterable[KVBlock]) -> int:
         """Forget the hashes of these blocks (a free cached one becomes free empty)."""
@@ -239,6 +250,8 @@ class BlockPool:
             block.hot = False
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.removals is not None:
+                self.removals.removed((block.block_hash,))
         block.block_hash = None
         block.namespace = None
         block.parent_hash = None
@@ -249,13 +262,23 @@ class BlockPool:
         namespaces ``namespace + "|..."`` under it; ``keep_pinned`` spares pinned blocks).
         Contents of blocks in use are untouched. Returns how many hashes were dropped."""
         child = f"{namespace}|"
-        dropped = 0
-        for block in list(self.cached.values()):
-            if keep_pinned and block.block_id in self.pin_refs:
-                continue
-            ns = block.namespace
-            if all_namespaces or ns == namespace or (
-                    with_children and ns is not None and ns.startswith(child)):
-                self._drop_hash(block)
-                dropped += 1
-        return dropped
+        dropped: list[BlockHash] = []
+        removals, self.removals = self.removals, None   # one event for the whole reset
+        try:
+            for block in list(self.cached.values()):
+                if keep_pinned and block.block_id in self.pin_refs:
+                    continue
+                ns = block.namespace
+                if all_namespaces or ns == namespace or (
+                        with_children and ns is not None and ns.startswith(child)):
+                    if block.block_hash is not None:
+                        dropped.append(block.block_hash)
+                    self._drop_hash(block)
+        finally:
+            self.removals = removals
+        if removals is not None and dropped:
+            if all_namespaces and not self.cached:
+                removals.cleared()
+            else:
+                removals.removed(dropped)
+        return len(dropped)

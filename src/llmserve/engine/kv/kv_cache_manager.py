@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 from llmserve.engine.kv.block_hash import BlockHash, extend_block_hashes, namespace_hash
 from llmserve.engine.kv.block_pool import BlockPool, KVBlock
 from llmserve.engine.kv.cache_audit import HitAudit, check_chain_namespaces
+from llmserve.engine.kv.kv_events import KVEventLog
 from llmserve.engine.kv.prefix_pins import PrefixPins
 from llmserve.engine.request import Request
 
@@ -55,6 +56,12 @@ class KVCacheManager:
         self.high_water = 0
         self.pins = PrefixPins(self.pool, block_size)
         self.hit_audit = HitAudit()
+        self.events: Optional[KVEventLog] = None   # KV events for indexers (off: None)
+
+    def enable_events(self, log: KVEventLog) -> None:
+        """Record BlockStored / BlockRemoved / AllBlocksCleared in ``log`` from now on."""
+        self.events = log
+        self.pool.removals = log
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -164,10 +171,14 @@ class KVCacheManager:
             if num_full > start:
                 self._hash_upto(request, total)
                 hashes = request.block_hashes
+                stored = []
                 for i in range(start, num_full):
                     parent = hashes[i - 1] if i else self._root(request.cache_salt)
-                    self.pool.cache_block(blocks[i], hashes[i], request.cache_salt, parent)
+                    if self.pool.cache_block(blocks[i], hashes[i], request.cache_salt, parent):
+                        stored.append(i)
                 self._req_num_registered[rid] = num_full
+                if self.events is not None and stored:
+                    self.events.stored(request, stored)
         used = self.pool.num_used_blocks
         if used > self.high_water:
             self.high_water = used
@@ -194,6 +205,8 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request.request_id, None)
         self._req_block_ids.pop(request.request_id, None)
         self._req_num_registered.pop(request.request_id, None)
+        if self.events is not None:
+            self.events.forget(request.request_id)
         if not blocks:
             return 0
         self.pool.free(reversed(blocks))

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from llmserve.contract.engine_client import EngineClient
 from llmserve.protocol import RequestMetrics
 from llmserve.server.metrics.admission import AdmissionMetrics, add_namespace_samples, namespace_families
+from llmserve.server.metrics.vllm_names import VllmFamilies
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Any]:
         families: dict[str, Any] = {}
         ns_queries, ns_hits = namespace_families(LABELS)
+        vllm = VllmFamilies()   # the same snapshots under vLLM's names (vllm_names.py)
         for engine, lv in self._engines:
             try:
                 stats = engine.get_stats()
@@ -125,6 +127,7 @@ class EngineStatsCollector(Collector):
                 continue
             if self.per_namespace:
                 add_namespace_samples(ns_queries, ns_hits, stats, lv)
+            vllm.add(stats, lv[0])
             for kind, name, doc, value in self._samples(stats):
                 family = families.get(name)
                 if family is None:
@@ -141,6 +144,7 @@ class EngineStatsCollector(Collector):
                 buckets, total = acceptance_buckets(lengths)
                 family.add_metric(lv, buckets, total)
         yield from families.values()
+        yield from vllm
         if self.per_namespace:
             yield ns_queries
             yield ns_hits

@@ -1,0 +1,1 @@
+"""Integrations with the serving platforms people already run (Kubernetes inference gateway)."""
