@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from llmserve.config import INT4_ACTIVATIONS, EngineConfig
 from llmserve.structured_output.spec import JSON_WHITESPACE
+from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from llmserve.contract.server_limits import ServerLimits
@@ -210,7 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     served_model_names=names)
         serve(engine, args.host, args.port, log_level=str(args.log_level).lower(),
               served_model_names=names, gateway=gateway, engines=engines,
-              limits=server_limits_from_args(args, gateway))
+              limits=server_limits_from_args(args, gateway),
+              tool_call_parser=args.tool_call_parser)
     finally:
         for other in engines.values():
             other.shutdown()
@@ -275,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes) behind this server's router (SCALING.md)")
     s.add_argument("--replica-log-dir", default=None, help="log files of the replicas")
+    s.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
+                   help="the tool-call format read from (and forced on) the model's output "
+                        "and described to templates without tool support; auto: from the "
+                        "chat template (<|python_tag|> llama3_json, [TOOL_CALLS] mistral, "
+                        "<function= qwen3_coder, else hermes) (docs/API.md)")
     add_server_limit_args(s)
     from llmserve.router.cli import add_router_args, add_scale_commands
 

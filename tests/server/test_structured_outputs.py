@@ -321,7 +321,7 @@ def test_required_tool_choice_and_tool_results_fed_back(tiny_server):
 
 
 def test_auto_tool_choice_parses_hermes_blocks():
-    from llmserve.server.protocol.tool_calls import ToolCallStreamer, check_tools, parse_tool_calls
+    from llmserve.server.protocol.tool_calls import check_tools, parse_tool_calls, tool_call_streamer
 
     tools = check_tools([WEATHER, TIME])
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -332,7 +332,7 @@ def test_auto_tool_choice_parses_hermes_blocks():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
     assert parse_tool_calls("<tool_call>{\"name\": \"nope\"}</tool_call>", tools)[1] == []
-    streamer, sent, deltas = ToolCallStreamer(tools), [], []
+    streamer, sent, deltas = tool_call_streamer(tools), [], []
     for i in range(0, len(text), 3):   # arbitrary cuts, markers split across pieces
         piece, d = streamer.feed(text[i:i + 3])
         sent.append(piece)

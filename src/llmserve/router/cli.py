@@ -68,7 +68,8 @@ def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callab
 
         gateway = build_gateway(args.config, router, served_model_names=names)
     serve(router, args.host, args.port, log_level=str(args.log_level).lower(),
-          served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway))
+          served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway),
+          tool_call_parser=getattr(args, "tool_call_parser", "auto"))
 
 
 def engine_argv(args: argparse.Namespace, add_engine_args: Callable) -> list[str]:

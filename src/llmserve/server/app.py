@@ -53,6 +53,7 @@ def create_app(
     engines: Optional[Mapping[str, EngineClient]] = None,
     limits: Optional[ServerLimits] = None,
     input_limits: Optional[RequestLimits] = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.contract.engine_client.EngineClient`).
 
@@ -71,6 +72,8 @@ def create_app(
             limits are applied by :func:`~llmserve.server.launch.build_server`).
         input_limits: bounds on the request's inputs (stop strings, messages, prompt
             bytes ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
+        tool_call_parser: the tool-call format (:mod:`llmserve.tool_parsers`); ``auto``
+            picks each model's from its chat template.
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -83,7 +86,8 @@ def create_app(
                             per_tenant=bool(getattr(gateway, "per_tenant_metrics", False)))
     input_limits = input_limits or DEFAULT_LIMITS
     serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
-                            limits=limits, input_limits=input_limits)
+                            limits=limits, input_limits=input_limits,
+                            tool_call_parser=tool_call_parser)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)
