@@ -396,3 +396,35 @@ def test_min_tokens_and_ignore_eos_do_not_break_a_finished_grammar(tiny_server):
                     "ignore_eos": True})
     assert resp.choices[0].text in ("ab", "cd")
     assert resp.usage.completion_tokens == 12   # EOS after the grammar ended, as asked
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], Optional[str]]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "pieces": []})
+                entry["id"] = d.id or entry["id"]
+                if d.function and d.function.name:
+                    entry["name"] = d.function.name
+                if d.function and d.function.arguments:
+                    entry["pieces"].append(d.function.arguments)
+            finish = ch.finish_reason or finish
+    return calls, finish
+
+
+def test_forced_call_arguments_stream_in_pieces_and_match_the_answer(tiny_server):
+    """The arguments of a streamed call arrive as they are generated (several deltas),
+    and add up to exactly the non-streamed answer's arguments (same seed)."""
+    c = client(tiny_server)
+    kwargs = dict(model="", messages=[{"role": "user", "content": "Weather?"}],
+                  tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=120, temperature=1.0, seed=5)
+    (call,) = c.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls, finish = _streamed_calls(c.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == call.function.name
+    assert len(calls[0]["pieces"]) > 1
+    assert "".join(calls[0]["pieces"]) == call.function.arguments
+    json.loads(call.function.arguments)
