@@ -133,7 +133,7 @@ def test_flag_names_and_unknown_names():
 def test_every_parser_has_a_valid_forcing_grammar_in_its_format():
     pytest.importorskip("llguidance")
     tools = check_tools(TOOLS)
-    for name, parser in PARSERS.items():
+    for parser in PARSERS.values():
         spec = tool_call_spec(tools, {"name": "get_weather"}, False, parser)
         assert spec is not None and "%json" in spec.value
     assert '"[TOOL_CALLS]["' in tool_call_spec(tools, "required", True, PARSERS["mistral"]).value
