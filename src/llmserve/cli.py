@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tool-call format read from (and forced on) the model's output "
                         "and described to templates without tool support; auto: from the "
                         "chat template (<|python_tag|> llama3_json, [TOOL_CALLS] mistral, "
-                        "<function= qwen3_coder, else hermes) (docs/API.md)")
+                        "<function= qwen3_coder, else hermes) (docs/STRUCTURED_OUTPUTS.md)")
     add_server_limit_args(s)
     from llmserve.router.cli import add_router_args, add_scale_commands
 
