@@ -164,3 +164,24 @@ def test_the_prompt_side_speaks_the_chosen_format():
     messages, native = prepare_messages(history, tools, "{{ tools }}{{ m.tool_calls }}",
                                         PARSERS["mistral"])
     assert native == tools and messages[1]["tool_calls"]
+
+
+def test_a_request_takes_the_served_models_format_and_keeps_its_special_tokens():
+    from llmserve.server.protocol.openai import ChatCompletionRequest, parse_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [WEATHER], "tool_choice": "required"}
+    req = parse_request(ChatCompletionRequest, json.dumps(body).encode())
+    assert "<tool_call>" in req.output_spec.value          # checked as Hermes first
+    assert "skip_special_tokens" not in req.sampling_kwargs()
+    req.use_tool_parser(PARSERS["mistral"])
+    assert req.tool_parser.name == "mistral" and "[TOOL_CALLS]" in req.output_spec.value
+    assert req.sampling_kwargs()["skip_special_tokens"] is False
+    explicit = parse_request(ChatCompletionRequest, json.dumps(
+        {**body, "skip_special_tokens": True}).encode())
+    explicit.use_tool_parser(PARSERS["llama3_json"])
+    assert explicit.sampling_kwargs()["skip_special_tokens"] is True
+    none = parse_request(ChatCompletionRequest, json.dumps(
+        {**body, "tool_choice": "none"}).encode())
+    none.use_tool_parser(PARSERS["mistral"])
+    assert none.output_spec is None and "skip_special_tokens" not in none.sampling_kwargs()

@@ -145,7 +145,7 @@ class CallStreamer:
         self.known = tool_names(tools)
         self.pending = ""
         self.region: Optional[Region] = None
-        self.at_start = True            # nothing but whitespace seen yet
+        self.at_start = bool(triggers.first_chars)   # nothing but whitespace seen yet
         self.num_calls = 0
         self.held_space = ""            # whitespace after a call, sent once text follows
 

@@ -180,7 +180,7 @@ class Qwen3CoderRegion:
             self.lead_read = True
             if t[self.value_start] == "\n":
                 self.value_start = self.sent = self.value_start + 1
-        end = t.find(END_PARAMETER, self.value_start)
+        end = t.find(END_PARAMETER, max(self.value_start, self.sent - len(END_PARAMETER)))
         if end < 0:
             if self.text_value:
                 tail = t[self.sent:]
