@@ -137,7 +137,7 @@ class JsonCallsRegion:
             return self._after_char(ch)
         if state in ("skip", "failed"):
             return self._skip_char()
-        if ch in _SPACE and state not in ("key",):
+        if ch in _SPACE and state != "key":
             self.i += 1
             return None
         if state == "top" or state == "item":
