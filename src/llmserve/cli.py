@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from llmserve.config import INT4_ACTIVATIONS, EngineConfig
 from llmserve.pooling_params import POOLING_METHODS
 from llmserve.structured_output.spec import JSON_WHITESPACE
+from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from llmserve.contract.server_limits import ServerLimits
@@ -229,7 +230,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               served_model_names=names, gateway=gateway, engines=engines,
               limits=server_limits_from_args(args, gateway),
               responses_store=responses_store_from_args(args),
-              timeout_graceful_shutdown=args.drain_timeout)
+              timeout_graceful_shutdown=args.drain_timeout,
+              tool_call_parser=args.tool_call_parser)
     finally:
         for other in engines.values():
             other.shutdown()
@@ -317,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
                         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
                         "(needs llmserve[kv-events]; docs/SCALING.md)")
+    s.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
+                   help="the tool-call format read from (and forced on) the model's output "
+                        "and described to templates without tool support; auto: from the "
+                        "chat template (<|python_tag|> llama3_json, [TOOL_CALLS] mistral, "
+                        "<function= qwen3_coder, else hermes) (docs/STRUCTURED_OUTPUTS.md)")
     add_server_limit_args(s)
     from llmserve.router.cli import add_router_args, add_scale_commands
 

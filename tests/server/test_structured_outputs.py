@@ -321,7 +321,7 @@ def test_required_tool_choice_and_tool_results_fed_back(tiny_server):
 
 
 def test_auto_tool_choice_parses_hermes_blocks():
-    from llmserve.server.protocol.tool_calls import ToolCallStreamer, check_tools, parse_tool_calls
+    from llmserve.server.protocol.tool_calls import check_tools, parse_tool_calls, tool_call_streamer
 
     tools = check_tools([WEATHER, TIME])
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -332,7 +332,7 @@ def test_auto_tool_choice_parses_hermes_blocks():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
     assert parse_tool_calls("<tool_call>{\"name\": \"nope\"}</tool_call>", tools)[1] == []
-    streamer, sent, deltas = ToolCallStreamer(tools), [], []
+    streamer, sent, deltas = tool_call_streamer(tools), [], []
     for i in range(0, len(text), 3):   # arbitrary cuts, markers split across pieces
         piece, d = streamer.feed(text[i:i + 3])
         sent.append(piece)
@@ -396,3 +396,35 @@ def test_min_tokens_and_ignore_eos_do_not_break_a_finished_grammar(tiny_server):
                     "ignore_eos": True})
     assert resp.choices[0].text in ("ab", "cd")
     assert resp.usage.completion_tokens == 12   # EOS after the grammar ended, as asked
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], Optional[str]]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "pieces": []})
+                entry["id"] = d.id or entry["id"]
+                if d.function and d.function.name:
+                    entry["name"] = d.function.name
+                if d.function and d.function.arguments:
+                    entry["pieces"].append(d.function.arguments)
+            finish = ch.finish_reason or finish
+    return calls, finish
+
+
+def test_forced_call_arguments_stream_in_pieces_and_match_the_answer(tiny_server):
+    """The arguments of a streamed call arrive as they are generated (several deltas),
+    and add up to exactly the non-streamed answer's arguments (same seed)."""
+    c = client(tiny_server)
+    kwargs = dict(model="", messages=[{"role": "user", "content": "Weather?"}],
+                  tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=120, temperature=1.0, seed=5)
+    (call,) = c.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls, finish = _streamed_calls(c.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == call.function.name
+    assert len(calls[0]["pieces"]) > 1
+    assert "".join(calls[0]["pieces"]) == call.function.arguments
+    json.loads(call.function.arguments)

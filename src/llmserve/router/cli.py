@@ -73,7 +73,8 @@ def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callab
           served_model_names=names, gateway=gateway, limits=limits_from_args(args, gateway),
           responses_store=ResponseStore(args.responses_store, args.responses_ttl),
           timeout_graceful_shutdown=getattr(args, "drain_timeout", 5),
-          middleware=[ReplicaHeaderMiddleware])
+          middleware=[ReplicaHeaderMiddleware],
+          tool_call_parser=getattr(args, "tool_call_parser", "auto"))
 
 
 def engine_argv(args: argparse.Namespace, add_engine_args: Callable) -> list[str]:

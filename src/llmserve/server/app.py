@@ -62,6 +62,7 @@ def create_app(
     limits: Optional[ServerLimits] = None,
     input_limits: Optional[RequestLimits] = None,
     responses_store: Optional[ResponseStore] = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.contract.engine_client.EngineClient`).
 
@@ -82,6 +83,8 @@ def create_app(
             bytes ...); default ``RequestLimits()``, see docs/GATEWAY.md "Input limits".
         responses_store: where ``/v1/responses`` keeps stored responses (default: a
             :class:`~llmserve.server.responses_api.store.ResponseStore` in memory).
+        tool_call_parser: the tool-call format (:mod:`llmserve.tool_parsers`); ``auto``
+            picks each model's from its chat template.
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -94,7 +97,8 @@ def create_app(
                             per_tenant=bool(getattr(gateway, "per_tenant_metrics", False)))
     input_limits = input_limits or DEFAULT_LIMITS
     serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
-                            limits=limits, input_limits=input_limits)
+                            limits=limits, input_limits=input_limits,
+                            tool_call_parser=tool_call_parser)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)

@@ -46,6 +46,7 @@ from llmserve.server.sampling_defaults import apply_sampling_defaults
 from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse, replay_response, run_until_disconnect
 from llmserve.server.stream.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
 from llmserve.tokenizer.chat_prompt import chat_prompt_tokens
+from llmserve.tool_parsers import ToolParser, get_parser, resolve_parser
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class OpenAIServing:
                  gateway: Optional[Gateway] = None, max_body_bytes: Optional[int] = None,
                  engines: Optional[Mapping[str, EngineClient]] = None,
                  limits: Optional[ServerLimits] = None,
-                 input_limits: RequestLimits = DEFAULT_LIMITS) -> None:
+                 input_limits: RequestLimits = DEFAULT_LIMITS,
+                 tool_call_parser: str = "auto") -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
@@ -110,6 +112,24 @@ class OpenAIServing:
         self.input_limits = input_limits
         self._inflight: set[str] = set()
         self.tokenizer_pool = FairThreadPool(self.limits.tokenizer_threads)
+        if tool_call_parser != "auto":
+            get_parser(tool_call_parser)   # ValueError for an unknown name
+        self.tool_call_parser = tool_call_parser
+        self._tool_parsers: dict[Optional[str], ToolParser] = {}   # chat template -> parser
+        for name, eng in self.engines.items():   # logged once per template at start-up
+            self.tool_parser(eng, name)
+
+    def tool_parser(self, engine: EngineClient, name: str = "") -> ToolParser:
+        """The tool-call format of ``engine``'s model: ``--tool-call-parser``, or (auto)
+        the one its chat template names."""
+        template = getattr(engine.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        parser = self._tool_parsers.get(template)
+        if parser is None:
+            parser = resolve_parser(self.tool_call_parser, template,
+                                    name or getattr(engine, "model_name", ""))
+            self._tool_parsers[template] = parser
+        return parser
 
     def close(self) -> None:
         """Stop the tokenizer threads."""
@@ -134,7 +154,8 @@ class OpenAIServing:
 
     def _chat_prompt(self, engine: EngineClient, messages: list[dict[str, Any]],
                      tools: Optional[list[dict]] = None) -> list[int]:
-        return chat_prompt_tokens(engine.tokenizer, messages, True, tools)
+        return chat_prompt_tokens(engine.tokenizer, messages, True, tools,
+                                  self.tool_parser(engine))
 
     def _text_prompts(self, engine: EngineClient, prompts: list[Union[str, list[int]]],
                       suffix: Optional[str] = None) -> list[list[int]]:
@@ -281,6 +302,8 @@ class OpenAIServing:
             raise OpenAIError(500, f"the gateway chose model {ctx.served_model!r}, which is not "
                               "served", code="internal_error")
         apply_sampling_defaults(req, ctx.sampling_defaults)
+        if chat:
+            req.use_tool_parser(self.tool_parser(engine))
         requested, max_field = req.requested_max_tokens
         num_logprobs = req.num_logprobs if chat else req.logprobs
         params = make_sampling_params(req, requested, max_field, num_logprobs, chat=chat)
@@ -293,7 +316,10 @@ class OpenAIServing:
                                       param="prompt_bundle", code="prompt_bundles_not_enabled")
                 messages = list(ctx.prefix_messages) + messages
                 req.merge_bundle_tools(ctx.prefix_tools)   # the bundle's, then its own
-                params = dataclasses.replace(params, structured_output=req.output_spec)
+                params = dataclasses.replace(
+                    params, structured_output=req.output_spec,
+                    skip_special_tokens=req.sampling_kwargs().get("skip_special_tokens",
+                                                                  params.skip_special_tokens))
             try:
                 prompts = [await self.in_thread(ctx, self._chat_prompt, engine, messages,
                                                  req.checked_tools)]

@@ -33,6 +33,7 @@ from llmserve.server.protocol.openai import ChatMessage
 from llmserve.server.protocol.tool_calls import check_tools
 from llmserve.server.serving import OpenAIServing, read_body
 from llmserve.tokenizer.chat_prompt import chat_prompt_tokens
+from llmserve.tool_parsers import ToolParser
 
 _CLOSED = ConfigDict(extra="forbid")
 
@@ -138,7 +139,8 @@ class TokenizerEndpoints:
         key = ctx.tenant or ctx.client or ""
         if isinstance(req, TokenizeChatRequest):
             ids = await self.run_in_pool(key, chat_token_ids, tok, req.messages,
-                                         req.add_generation_prompt, req.tools)
+                                         req.add_generation_prompt, req.tools,
+                                         self.serving.tool_parser(engine))
         else:
             ids = await self.run_in_pool(key, _text_ids, tok, req.prompt,
                                          req.add_special_tokens)
@@ -168,7 +170,7 @@ def _pieces(tok: TokenizerLike, ids: list[int]) -> list[str]:
 
 
 def chat_token_ids(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                   tools: Optional[list[Any]]) -> list[int]:
+                   tools: Optional[list[Any]], parser: Optional[ToolParser] = None) -> list[int]:
     """The prompt ``/v1/chat/completions`` builds for these messages and tools (the same
     validation, template and tool preamble); 400 for what that request would refuse."""
     checked = []
@@ -180,7 +182,8 @@ def chat_token_ids(tok: TokenizerLike, messages: list[dict[str, Any]], add_gener
             raise validation_error_to_openai(errors, {}) from None
         checked.append(msg.to_template_dict(i))
     try:
-        return list(chat_prompt_tokens(tok, checked, add_generation_prompt, check_tools(tools)))
+        return list(chat_prompt_tokens(tok, checked, add_generation_prompt, check_tools(tools),
+                                       parser))
     except ValueError as exc:   # as /v1/chat/completions answers it
         raise bad_request(f"Invalid messages: {exc}", param="messages") from None
 

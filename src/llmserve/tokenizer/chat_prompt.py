@@ -1,8 +1,9 @@
 """Chat prompts as token ids: the one builder of chat prompts, for requests and bundles.
 
 A chat template that renders ``tools`` itself gets them as they are; for one that does not
-(the default SmolLM2 template), the tools and the Hermes call format are described in the
-system message, assistant ``tool_calls`` become ``<tool_call>`` blocks and tool results
+(the default SmolLM2 template), the tools and the call format of the tool-call parser
+(:mod:`llmserve.tool_parsers`; Hermes unless told otherwise) are described in the system
+message, assistant ``tool_calls`` are written in that format and tool results become
 ``<tool_response>`` blocks (:func:`prepare_messages`). Message text is never parsed for
 special tokens (:mod:`llmserve.tokenizer.chat`). No torch.
 """
@@ -11,7 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Protocol, Sequence
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from llmserve.tool_parsers import ToolParser, detect_parser
+from llmserve.tool_parsers.hermes import CLOSE, OPEN
+
+__all__ = ["CLOSE", "OPEN", "ChatTokenizer", "chat_prompt_tokens", "loads_or_text",
+           "prepare_messages", "tools_preamble"]
 
 
 class ChatTokenizer(Protocol):
@@ -24,39 +29,37 @@ class ChatTokenizer(Protocol):
                             **kwargs: Any) -> str: ...
 
 
-def tools_preamble(tools: list[dict]) -> str:
-    """How the tools and the call format are described to a model whose template cannot."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
-            f"<tools>\n{listing}\n</tools>\n"
-            "To call a function, answer with one block per call:\n"
-            f'{OPEN}\n{{"name": <function-name>, "arguments": <arguments-object>}}\n{CLOSE}')
+def tools_preamble(tools: list[dict], parser: Optional[ToolParser] = None) -> str:
+    """How the tools and the call format are described to a model whose template cannot
+    (Hermes blocks unless ``parser`` says otherwise)."""
+    return (parser or detect_parser(None)[0]).describe_tools(tools)
 
 
-def prepare_messages(messages: list[dict], tools: list[dict], template: Optional[str]
+def prepare_messages(messages: list[dict], tools: list[dict], template: Optional[str],
+                     parser: Optional[ToolParser] = None
                      ) -> tuple[list[dict], Optional[list[dict]]]:
     """(messages, tools) for the chat template. A template that mentions ``tools`` gets them
-    as they are; otherwise the preamble joins the system message, assistant ``tool_calls``
-    become ``<tool_call>`` blocks and tool results ``<tool_response>`` blocks."""
+    as they are; otherwise the preamble joins the system message. Where the template does
+    not render ``tool_calls``, assistant calls are written in ``parser``'s format (default:
+    the one the template names, :func:`~llmserve.tool_parsers.detect_parser`) and tool
+    results become ``<tool_response>`` blocks."""
     template = template or ""
+    parser = parser or detect_parser(template)[0]
     native = "tools" in template
     native_calls = "tool_calls" in template
     out = []
     for m in messages:
         m = dict(m)
         if m.get("tool_calls") and not native_calls:
-            blocks = [f"{OPEN}\n" + json.dumps(
-                {"name": c["function"]["name"],
-                 "arguments": loads_or_text(c["function"].get("arguments", "{}"))},
-                ensure_ascii=False) + f"\n{CLOSE}" for c in m.pop("tool_calls")]
-            m["content"] = "\n".join(filter(None, [m.get("content") or "", *blocks]))
+            calls = parser.render_calls(m.pop("tool_calls"))
+            m["content"] = "\n".join(filter(None, [m.get("content") or "", calls]))
         if m.get("role") == "tool" and not native_calls:
             m.pop("tool_call_id", None)
             m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
         out.append(m)
     if not tools or native:
         return out, (tools or None)
-    preamble = tools_preamble(tools)
+    preamble = parser.describe_tools(tools)
     if out and out[0].get("role") in ("system", "developer"):
         out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{preamble}".strip()}
     else:
@@ -75,12 +78,14 @@ def loads_or_text(text: Any) -> Any:
 
 
 def chat_prompt_tokens(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                       tools: Optional[list[dict[str, Any]]] = None,
+                       parser: Optional[ToolParser] = None) -> list[int]:
     """The chat template's token ids for ``messages``: tools go into the template, or into
-    the system message when the template has no tools; message text is never parsed for
-    special tokens (``encode_chat``). The one builder of chat prompts (requests, bundles)."""
+    the system message (in ``parser``'s format, default the template's) when the template
+    has no tools; message text is never parsed for special tokens (``encode_chat``). The
+    one builder of chat prompts (requests, bundles)."""
     messages, tools = prepare_messages(messages, tools or [],
-                                       getattr(tokenizer, "chat_template", None))
+                                       getattr(tokenizer, "chat_template", None), parser)
     extra = {"tools": tools} if tools else {}
     encode_chat = getattr(tokenizer, "encode_chat", None)
     if encode_chat is not None:

@@ -196,3 +196,34 @@ def test_reasoning_becomes_a_thinking_block_first():
         "m", None)
     assert [b["type"] for b in message["content"]] == ["thinking", "text"]
     assert message["content"][0]["thinking"] == "Hmm."
+
+
+def test_streamed_argument_pieces_become_one_input_json_delta_each():
+    """Tool-call arguments streamed as they are generated (llmserve.tool_parsers) arrive
+    as input_json_delta events, one per chat delta, adding up to each call's input."""
+    from llmserve.tool_parsers import PARSERS
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    text = ('<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": "x{y"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 5}}\n</tool_call>')
+    streamer = PARSERS["hermes"].streamer(tools)
+    payloads = [json.dumps({"id": "chatcmpl-z", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})]
+    num_arg_deltas = 0
+    for i in range(0, len(text), 4):
+        _, deltas = streamer.feed(text[i:i + 4])
+        num_arg_deltas += sum(1 for d in deltas if d["function"].get("arguments"))
+        payloads += [json.dumps({"id": "chatcmpl-z", "choices": [
+            {"index": 0, "delta": {"tool_calls": [d]}, "finish_reason": None}]})
+            for d in deltas]
+    payloads += [json.dumps({"id": "chatcmpl-z", "choices": [
+        {"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}), "[DONE]"]
+    events = _events(payloads)
+    starts = [e for k, e in events if k == "content_block_start"]
+    assert [s["content_block"]["name"] for s in starts] == ["add", "add"]
+    pieces = [e for k, e in events if k == "content_block_delta"]
+    assert len(pieces) == num_arg_deltas > 4
+    assert all(p["delta"]["type"] == "input_json_delta" for p in pieces)
+    inputs = ["".join(p["delta"]["partial_json"] for p in pieces if p["index"] == i)
+              for i in (0, 1)]
+    assert [json.loads(x) for x in inputs] == [{"a": 4, "b": "x{y"}, {"a": 5}]

@@ -90,7 +90,8 @@ class MessagesEndpoints:
             engine = self.tokenizers.resolve(req.model)
             ids = await self.tokenizers.run_in_pool(
                 ctx.tenant or ctx.client or "", chat_token_ids, engine.tokenizer,
-                chat_messages(req), True, chat_tools(req).get("tools"))
+                chat_messages(req), True, chat_tools(req).get("tools"),
+                self.serving.tool_parser(engine))
         except OpenAIError as err:
             raise AnthropicError.of(err) from None
         except Exception as exc:  # noqa: BLE001 - Anthropic's shape for the catch-all 500

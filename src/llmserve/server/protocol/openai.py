@@ -25,7 +25,14 @@ from llmserve.sampling_params import MAX_TOKEN_ID, SamplingParams
 from llmserve.server.errors import validation_error_to_openai, value_error_to_openai
 from llmserve.server.limits import DEFAULT_LIMITS, MAX_CHOICES_PER_REQUEST, RequestLimits, check_limits
 from llmserve.server.protocol.structured_request import request_spec
-from llmserve.server.protocol.tool_calls import check_message_tool_calls, check_tool_choice, check_tools, tool_call_spec
+from llmserve.server.protocol.tool_calls import (
+    HERMES,
+    check_message_tool_calls,
+    check_tool_choice,
+    check_tools,
+    tool_call_spec,
+)
+from llmserve.tool_parsers import ToolParser
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -223,6 +230,8 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: Optional[list[str]] = None
     _tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr(default="none")
+    _tool_parser: Any = PrivateAttr(default=HERMES)      # the served model's call format
+    _request_spec: Any = PrivateAttr(default=None)       # response_format / structured_outputs
     prompt_bundle: Optional[str] = None   # "name@version" or "name": messages put first (gateway)
     _bundle_merged: bool = PrivateAttr(default=False)   # the bundle's tools are in `tools`
 
@@ -234,18 +243,19 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("messages must be a non-empty array", param="messages")
         if self.modalities is not None and self.modalities != ["text"]:
             raise bad_request("only modalities ['text'] is supported", param="modalities")
-        self._output_spec = request_spec(self.response_format, self.structured_outputs)
+        self._output_spec = self._request_spec = request_spec(self.response_format,
+                                                              self.structured_outputs)
         if self.prompt_bundle is None or self._bundle_merged:
             self._check_tools()   # else once the bundle's tools are merged in
 
     def _check_tools(self) -> None:
         """Tools, tool_choice and the tool-call grammar (on top of the request's own output
-        constraint in ``_output_spec``), then top_logprobs."""
-        spec = self._output_spec
+        constraint), then top_logprobs; the grammar is in the tool parser's format."""
+        spec = self._request_spec
         self._tools = check_tools(self.tools)
         self._tool_choice = check_tool_choice(self.tool_choice, self._tools)
         tool_spec = tool_call_spec(self._tools, self._tool_choice,
-                                   self.parallel_tool_calls is not False)
+                                   self.parallel_tool_calls is not False, self._tool_parser)
         if tool_spec is not None and spec is not None:
             raise bad_request("a required or named tool_choice cannot be combined with "
                               "response_format or structured_outputs", param="tool_choice",
@@ -261,6 +271,28 @@ class ChatCompletionRequest(_SamplingFields):
         self.tools = list(tools or []) + list(self.tools or [])
         self._bundle_merged = True
         self._check_tools()
+
+    def use_tool_parser(self, parser: ToolParser) -> None:
+        """Read and force tool calls in ``parser``'s format (the served model's; checked
+        requests start with Hermes): the tool-call grammar is made again for it."""
+        if parser is self._tool_parser:
+            return
+        self._tool_parser = parser
+        if self._tools and (self.prompt_bundle is None or self._bundle_merged):
+            self._check_tools()
+
+    @property
+    def tool_parser(self) -> ToolParser:
+        """The tool-call format the output is read (and forced) in."""
+        return self._tool_parser
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As for every request; a tool parser whose markers are special tokens keeps
+        special tokens in the output (unless the request says)."""
+        kwargs = super().sampling_kwargs()
+        if self.parses_tool_calls and self._tool_parser.keeps_special_tokens:
+            kwargs.setdefault("skip_special_tokens", False)
+        return kwargs
 
     @property
     def checked_tools(self) -> list[dict[str, Any]]:

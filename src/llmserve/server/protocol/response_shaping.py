@@ -3,8 +3,8 @@
 :class:`ResponseOptions` is built once per request (``from_request``) and tells the body
 and stream builders (streaming.py) to
 
-* chat: read tool calls out of the text (``tools`` with ``tool_choice`` not ``none``):
-  ``message.tool_calls`` with ids, ``content`` without the blocks (null when empty),
+* chat: read tool calls out of the text (``tools`` with ``tool_choice`` not ``none``) in
+  the served model's format (``tool_parser``): ``message.tool_calls`` with ids, ``content`` without the blocks (null when empty),
   ``finish_reason: "tool_calls"``;
 * completions: put the prompt before the text and its token logprobs before the output's
   (``echo``; the first prompt token has a null logprob, as OpenAI sends it), drop the one
@@ -22,7 +22,8 @@ from llmserve.contract.engine_client import TokenizerLike
 from llmserve.contract.errors import bad_request
 from llmserve.protocol import TokenLogprob
 from llmserve.server.protocol.responses import chat_logprobs, completion_logprobs, openai_finish_reason
-from llmserve.server.protocol.tool_calls import parse_tool_calls
+from llmserve.server.protocol.tool_calls import HERMES
+from llmserve.tool_parsers import ToolParser
 
 #: StarCoder-style fill-in-the-middle tokens (prefix, suffix, middle).
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -56,6 +57,7 @@ class ResponseOptions:
 
     want_logprobs: bool = False
     tools: list[dict] = field(default_factory=list)     # chat: parse tool calls when set
+    tool_parser: ToolParser = HERMES                    # chat: the tool-call format
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     drop_output: bool = False                           # max_tokens 0: prompt only
@@ -67,7 +69,8 @@ class ResponseOptions:
                      tokenizer: Optional[TokenizerLike] = None) -> "ResponseOptions":
         if chat:
             return cls(want_logprobs=bool(req.logprobs),
-                       tools=req.checked_tools if req.parses_tool_calls else [])
+                       tools=req.checked_tools if req.parses_tool_calls else [],
+                       tool_parser=req.tool_parser)
         n = req.n or 1
         return cls(want_logprobs=req.logprobs is not None, echo=bool(req.echo),
                    prompt_texts=list(prompt_texts), drop_output=req.max_tokens == 0,
@@ -86,7 +89,7 @@ def chat_message(text: str, opts: ResponseOptions) -> tuple[dict[str, Any], bool
     """(assistant message, whether it called tools)."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if opts.tools:
-        content, calls = parse_tool_calls(text, opts.tools)
+        content, calls = opts.tool_parser.parse(text, opts.tools)
         if calls:
             message["content"] = content
             message["tool_calls"] = [c.to_openai() for c in calls]

@@ -1,50 +1,38 @@
-"""Tool calling: request validation, the tool-call grammar, the prompt and output parsing.
+"""Tool calling: request validation, the tool-call grammar and the output parsing.
 
-Format: the Hermes style used by Qwen and by llmserve for templates without tool support
-(the default SmolLM2 template)::
+The call format is the model family's (:mod:`llmserve.tool_parsers`, ``--tool-call-parser``,
+auto-detected from the chat template; Hermes ``<tool_call>`` blocks by default)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-several blocks for parallel calls; a JSON array of calls inside one block is read too.
-
 * ``tool_choice: "none"``: tools stay in the prompt, the output is plain text.
-* ``"auto"`` (the default with tools): the output is parsed; blocks become ``tool_calls``.
+* ``"auto"`` (the default with tools): the output is parsed; calls become ``tool_calls``,
+  streamed as they are written (a call's ``arguments`` in pieces as the tokens arrive).
 * ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: a grammar forces one
   call (several with ``parallel_tool_calls``, the default) whose arguments follow the
-  function's ``parameters`` schema.
+  function's ``parameters`` schema, in the parser's format (Hermes blocks for pythonic and
+  qwen3_coder, which read them too).
 
 A chat template that renders ``tools`` itself gets them; for one that does not, the tools
 and the format are described in the system message (:func:`llmserve.tokenizer.chat_prompt.prepare_messages`). No torch.
 """
 from __future__ import annotations
 
-import json
 import re
-import uuid
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from llmserve.contract.errors import INCOMPATIBLE_PARAMETERS, bad_request
 from llmserve.structured_output.spec import JSON_OPTIONS, StructuredOutputSpec, UnsupportedGrammarError, check_spec
-from llmserve.tokenizer.chat_prompt import CLOSE, OPEN, loads_or_text
+from llmserve.tool_parsers import PARSERS, ToolCall, ToolCallDeltaStream, ToolParser, new_call_id
 
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+__all__ = ["HERMES", "ToolCall", "check_message_tool_calls", "check_tool_choice", "check_tools",
+           "new_call_id", "parse_tool_calls", "tool_call_spec", "tool_call_streamer"]
+
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-@dataclass
-class ToolCall:
-    """One parsed call: ``arguments`` is the JSON text sent to the client."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+#: The default format (and the one of templates without tool support).
+HERMES: ToolParser = PARSERS["hermes"]
 
 
 def check_tools(tools: Optional[list[Any]]) -> list[dict[str, Any]]:
@@ -133,27 +121,16 @@ def check_tool_choice(choice: Union[str, dict, None], tools: list[dict]) -> Unio
     return {"name": name}
 
 
-def _call_schema(tool: dict) -> dict[str, Any]:
-    fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                             "arguments": fn["parameters"]},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def tool_call_spec(tools: list[dict], choice: Union[str, dict],
-                   parallel: bool) -> Optional[StructuredOutputSpec]:
-    """The grammar that forces tool calls (``required`` or named), else None."""
+def tool_call_spec(tools: list[dict], choice: Union[str, dict], parallel: bool,
+                   parser: ToolParser = HERMES) -> Optional[StructuredOutputSpec]:
+    """The grammar that forces tool calls (``required`` or named) in ``parser``'s format,
+    else None."""
     if choice in ("none", "auto"):
         return None
     chosen = [t for t in tools if isinstance(choice, str)
               or t["function"]["name"] == choice["name"]]
-    schema: dict[str, Any] = _call_schema(chosen[0]) if len(chosen) == 1 else {
-        "anyOf": [_call_schema(t) for t in chosen]}
-    schema["x-guidance"] = dict(JSON_OPTIONS)   # compact JSON, as for response_format
-    block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
-    more = ' ("\\n" block)*' if parallel else ""
-    lark = f"start: block{more}\nblock: {block}\ncall: %json {json.dumps(schema)}"
-    spec = StructuredOutputSpec("lark", lark)
+    # compact JSON, as for response_format
+    spec = StructuredOutputSpec("lark", parser.forcing_grammar(chosen, parallel, JSON_OPTIONS))
     try:
         check_spec(spec)
     except UnsupportedGrammarError as exc:
@@ -161,109 +138,17 @@ def tool_call_spec(tools: list[dict], choice: Union[str, dict],
     return spec
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+def parse_tool_calls(text: str, tools: Sequence[dict], parser: ToolParser = HERMES
+                     ) -> tuple[Optional[str], list[ToolCall]]:
+    """(content left, calls) from a model output; text that does not parse as a call of a
+    known function stays in the content."""
+    return parser.parse(text, tools)
 
 
-def parse_tool_calls(text: str, tools: list[dict]) -> tuple[Optional[str], list[ToolCall]]:
-    """(content left, calls) from a model output; blocks that do not parse as a call of a
-    known function stay in the content."""
-    known = {t["function"]["name"] for t in tools}
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for match in _BLOCK.finditer(text):
-        parsed = _calls_of(match.group(1), known)
-        if parsed is None:
-            continue
-        kept.append(text[pos:match.start()])
-        calls.extend(parsed)
-        pos = match.end()
-    kept.append(text[pos:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None) if calls else content, calls
-
-
-def _calls_of(body: str, known: set[str]) -> Optional[list[ToolCall]]:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in known:
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        if isinstance(args, str):
-            args = loads_or_text(args)
-        calls.append(ToolCall(new_call_id(), item["name"],
-                              json.dumps(args, ensure_ascii=False)))
-    return calls or None
-
-
-class ToolCallStreamer:
-    """Splits one streamed choice's text into content deltas and tool-call deltas.
-
-    Text that may still become ``<tool_call>`` is held back; a complete block that parses
-    as a call is sent as OpenAI streams calls: a delta with the call's ``index``, ``id``,
-    ``type`` and ``function.name`` (empty ``arguments``), then one with the ``arguments``
-    text. Whitespace between blocks is not sent as content.
-    """
-
-    def __init__(self, tools: list[dict]) -> None:
-        self.tools = tools
-        self.buffer = ""
-        self.num_calls = 0
-
-    def _emit_calls(self, block: str) -> Optional[list[dict[str, Any]]]:
-        _, calls = parse_tool_calls(block, self.tools)
-        if not calls:
-            return None
-        deltas = []
-        for c in calls:
-            deltas.append({"index": self.num_calls, "id": c.id, "type": "function",
-                           "function": {"name": c.name, "arguments": ""}})
-            deltas.append({"index": self.num_calls, "function": {"arguments": c.arguments}})
-            self.num_calls += 1
-        return deltas
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """(content to send now, tool-call deltas to send now) after ``text``; ``final``
-        flushes what was held back."""
-        self.buffer += text
-        content: list[str] = []
-        deltas: list[dict[str, Any]] = []
-        while True:
-            start = self.buffer.find(OPEN)
-            if start < 0:
-                keep = 0 if final else _partial_suffix(self.buffer, OPEN)
-                content.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
-            end = self.buffer.find(CLOSE, start)
-            if end < 0 and not final:
-                content.append(self.buffer[:start])
-                self.buffer = self.buffer[start:]
-                break
-            stop = len(self.buffer) if end < 0 else end + len(CLOSE)
-            block = self.buffer[start:stop]
-            content.append(self.buffer[:start])
-            calls = self._emit_calls(block) if end >= 0 else None
-            if calls is None:
-                content.append(block)
-            else:
-                deltas.extend(calls)
-            self.buffer = self.buffer[stop:]
-        text_out = "".join(content)
-        if self.num_calls and not text_out.strip():
-            text_out = ""
-        return text_out, deltas
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+def tool_call_streamer(tools: Sequence[dict], parser: ToolParser = HERMES) -> ToolCallDeltaStream:
+    """Splits one streamed choice's text into content deltas and tool-call deltas
+    (:class:`llmserve.tool_parsers.ToolCallDeltaStream`): text that may still become a
+    call is held back; a call is sent as OpenAI streams calls, a delta with its ``index``,
+    ``id``, ``type`` and ``function.name`` (empty ``arguments``), then its ``arguments``
+    in pieces as they are written."""
+    return parser.streamer(tools)
