@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from llmserve.config import INT4_ACTIVATIONS, EngineConfig
 from llmserve.pooling_params import POOLING_METHODS
+from llmserve.server.reasoning.parsers import REASONING_PARSERS
 from llmserve.structured_output.spec import JSON_WHITESPACE
 from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
@@ -231,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               limits=server_limits_from_args(args, gateway),
               responses_store=responses_store_from_args(args),
               timeout_graceful_shutdown=args.drain_timeout,
-              tool_call_parser=args.tool_call_parser)
+              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     finally:
         for other in engines.values():
             other.shutdown()
@@ -319,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
                         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
                         "(needs llmserve[kv-events]; docs/SCALING.md)")
+    s.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
+                   help="how the model marks its reasoning (a <think> block), sent apart as "
+                        "reasoning_content / reasoning items / thinking blocks; auto: from the "
+                        "chat template (deepseek_r1 when its generation prompt opens <think>, "
+                        "qwen3 when it mentions one, else none) (docs/REASONING.md)")
     s.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
                    help="the tool-call format read from (and forced on) the model's output "
                         "and described to templates without tool support; auto: from the "

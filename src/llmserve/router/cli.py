@@ -74,7 +74,8 @@ def _serve_front(router: Any, args: argparse.Namespace, limits_from_args: Callab
           responses_store=ResponseStore(args.responses_store, args.responses_ttl),
           timeout_graceful_shutdown=getattr(args, "drain_timeout", 5),
           middleware=[ReplicaHeaderMiddleware],
-          tool_call_parser=getattr(args, "tool_call_parser", "auto"))
+          tool_call_parser=getattr(args, "tool_call_parser", "auto"),
+          reasoning_parser=getattr(args, "reasoning_parser", "auto"))
 
 
 def engine_argv(args: argparse.Namespace, add_engine_args: Callable) -> list[str]:

@@ -63,6 +63,7 @@ def create_app(
     input_limits: Optional[RequestLimits] = None,
     responses_store: Optional[ResponseStore] = None,
     tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """Build the server for ``engine`` (an :class:`~llmserve.contract.engine_client.EngineClient`).
 
@@ -85,6 +86,8 @@ def create_app(
             :class:`~llmserve.server.responses_api.store.ResponseStore` in memory).
         tool_call_parser: the tool-call format (:mod:`llmserve.tool_parsers`); ``auto``
             picks each model's from its chat template.
+        reasoning_parser: how models mark their reasoning
+            (:mod:`llmserve.server.reasoning.parsers`); ``auto`` reads each chat template.
 
     The app's state holds ``engine``, ``engines`` (every served name -> its engine),
     ``metrics`` (:class:`ServerMetrics`, with its private ``registry``), ``serving``
@@ -98,7 +101,8 @@ def create_app(
     input_limits = input_limits or DEFAULT_LIMITS
     serving = OpenAIServing(engine, metrics, names, gateway, max_body_bytes, engines=engines,
                             limits=limits, input_limits=input_limits,
-                            tool_call_parser=tool_call_parser)
+                            tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser)
     for name, other in (engines or {}).items():
         if other is not engine:
             metrics.add_engine(other, name, other.fingerprint)

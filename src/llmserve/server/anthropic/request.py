@@ -8,15 +8,17 @@ the chat body that asks for the same thing::
     user text blocks                    -> the user message's text
     user tool_result blocks             -> "tool" messages (before the user's text)
     assistant text / tool_use blocks    -> the assistant message's text / tool_calls
-    assistant thinking blocks           -> dropped (this server emits none)
+    assistant thinking blocks           -> dropped (templates drop earlier reasoning)
     tools [{name, description, input_schema}] -> function tools
     tool_choice auto / any / tool / none      -> "auto" / "required" / named / "none"
     stop_sequences, max_tokens, temperature, top_p, top_k, metadata.user_id
                                         -> stop, max_tokens, temperature, top_p, top_k, user
     output_config.format (json_schema)  -> response_format json_schema (grammar-enforced)
+    thinking enabled (budget_tokens) / disabled -> thinking_budget N / 0, on a model with a
+                                           reasoning parser (enabled is a 400 without one)
     cache_control, service_tier, output_config.effort, thinking adaptive / between_tools
                                         -> accepted, no effect (prefixes are cached
-                                           automatically; no reasoning model)
+                                           automatically)
 
 Anything else (image or document blocks, server tools such as web search, ``thinking``
 enabled on a model without a reasoning parser, unknown fields) is a 400
@@ -260,21 +262,38 @@ def chat_tools(req: Union[MessagesRequest, CountTokensRequest]) -> dict[str, Any
     return fields
 
 
-def check_thinking(thinking: Optional[Thinking]) -> None:
-    """``thinking`` may be disabled or left to the model (``adaptive``, ``between_tools``:
-    a model without reasoning thinks not at all); ``enabled`` asks for thinking blocks,
-    which need a reasoning model (none is configured)."""
-    if thinking is not None and thinking.type == "enabled":
+def check_thinking(thinking: Optional[Thinking], reasons: bool) -> None:
+    """``thinking`` may be disabled or left to the model (``adaptive``, ``between_tools``);
+    ``enabled`` asks for thinking blocks, which need a reasoning model (``reasons``: the
+    served model has a reasoning parser)."""
+    if thinking is not None and thinking.type == "enabled" and not reasons:
         raise bad_request("thinking is not supported by this model (it has no reasoning "
                           "parser); leave it out or set {\"type\": \"disabled\"}",
                           param="thinking.type")
 
 
-def chat_body(req: MessagesRequest) -> dict[str, Any]:
-    """The ``/v1/chat/completions`` body that asks for what ``req`` asks for."""
-    check_thinking(req.thinking)
+def thinking_budget(thinking: Optional[Thinking], reasons: bool) -> Optional[int]:
+    """The chat ``thinking_budget`` of ``thinking`` on a reasoning model: ``enabled`` its
+    ``budget_tokens`` (none: unbounded), ``disabled`` 0 (answer at once); None otherwise."""
+    if thinking is None or not reasons:
+        return None
+    if thinking.type == "enabled":
+        if thinking.budget_tokens is not None and thinking.budget_tokens < 0:
+            raise bad_request("thinking.budget_tokens must be >= 0",
+                              param="thinking.budget_tokens")
+        return thinking.budget_tokens
+    return 0 if thinking.type == "disabled" else None
+
+
+def chat_body(req: MessagesRequest, reasons: bool = False) -> dict[str, Any]:
+    """The ``/v1/chat/completions`` body that asks for what ``req`` asks for (``reasons``:
+    the served model has a reasoning parser, so ``thinking`` bounds its think block)."""
+    check_thinking(req.thinking, reasons)
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req),
                             "max_tokens": req.max_tokens, **chat_tools(req)}
+    budget = thinking_budget(req.thinking, reasons)
+    if budget is not None:
+        body["thinking_budget"] = budget
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     for name in ("temperature", "top_p", "top_k"):

@@ -57,7 +57,9 @@ class MessagesEndpoints:
         try:
             await self.tokenizers.authenticate(with_body(request, b""), "messages")
             req: MessagesRequest = parse_json_body(MessagesRequest, await self.tokenizers.read_body(request))
-            body = json.dumps(chat_body(req), ensure_ascii=False).encode("utf-8")
+            reasons = self.serving.reasoning_parser(self.tokenizers.resolve(req.model)) \
+                is not None
+            body = json.dumps(chat_body(req, reasons), ensure_ascii=False).encode("utf-8")
             response = await self.serving.handle(with_body(request, body), chat=True)
         except OpenAIError as err:
             raise AnthropicError.of(err) from None
@@ -86,8 +88,8 @@ class MessagesEndpoints:
         try:
             ctx = await self.tokenizers.authenticate(with_body(request, b""), "count_tokens")
             req: CountTokensRequest = parse_json_body(CountTokensRequest, await self.tokenizers.read_body(request))
-            check_thinking(req.thinking)
             engine = self.tokenizers.resolve(req.model)
+            check_thinking(req.thinking, self.serving.reasoning_parser(engine) is not None)
             ids = await self.tokenizers.run_in_pool(
                 ctx.tenant or ctx.client or "", chat_token_ids, engine.tokenizer,
                 chat_messages(req), True, chat_tools(req).get("tools"),

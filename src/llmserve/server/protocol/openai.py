@@ -32,6 +32,7 @@ from llmserve.server.protocol.tool_calls import (
     check_tools,
     tool_call_spec,
 )
+from llmserve.server.reasoning.parsers import ReasoningParser
 from llmserve.tool_parsers import ToolParser
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -228,6 +229,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     prediction: Optional[dict[str, Any]] = None   # Predicted Outputs (docs/SPECULATIVE.md)
     modalities: Optional[list[str]] = None
+    thinking_budget: Optional[JsonInt] = None   # a reasoning model thinks at most this many tokens
+    include_reasoning: bool = True              # send the reasoning as reasoning_content
+    _reasoning: Any = PrivateAttr(default=None)          # the served model's ReasoningParser
     _tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr(default="none")
     _tool_parser: Any = PrivateAttr(default=HERMES)      # the served model's call format
@@ -243,6 +247,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("messages must be a non-empty array", param="messages")
         if self.modalities is not None and self.modalities != ["text"]:
             raise bad_request("only modalities ['text'] is supported", param="modalities")
+        if self.thinking_budget is not None and not 0 <= self.thinking_budget <= 1_000_000:
+            raise bad_request("thinking_budget must be an integer from 0 to 1000000",
+                              param="thinking_budget")
         self._output_spec = self._request_spec = request_spec(self.response_format,
                                                               self.structured_outputs)
         if self.prompt_bundle is None or self._bundle_merged:
@@ -285,6 +292,18 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_parser(self) -> ToolParser:
         """The tool-call format the output is read (and forced) in."""
         return self._tool_parser
+
+    def use_reasoning_parser(self, parser: Optional[ReasoningParser]) -> None:
+        """Split the output's think block with ``parser`` (the served model's; None: the
+        model does not reason)."""
+        self._reasoning = parser
+
+    @property
+    def reasoning_parser(self) -> Optional[ReasoningParser]:
+        """The parser that splits this answer's reasoning, or None: no reasoning model, or
+        a grammar (response_format, forced tool calls) shapes the output from its first
+        token, leaving no room for a think block."""
+        return self._reasoning if self._output_spec is None else None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """As for every request; a tool parser whose markers are special tokens keeps

@@ -23,6 +23,7 @@ from llmserve.contract.errors import bad_request
 from llmserve.protocol import TokenLogprob
 from llmserve.server.protocol.responses import chat_logprobs, completion_logprobs, openai_finish_reason
 from llmserve.server.protocol.tool_calls import HERMES
+from llmserve.server.reasoning.parsers import ReasoningParser
 from llmserve.tool_parsers import ToolParser
 
 #: StarCoder-style fill-in-the-middle tokens (prefix, suffix, middle).
@@ -58,6 +59,8 @@ class ResponseOptions:
     want_logprobs: bool = False
     tools: list[dict] = field(default_factory=list)     # chat: parse tool calls when set
     tool_parser: ToolParser = HERMES                    # chat: the tool-call format
+    reasoning: Optional[ReasoningParser] = None         # chat: splits off the think block
+    include_reasoning: bool = True                      # chat: send it as reasoning_content
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     drop_output: bool = False                           # max_tokens 0: prompt only
@@ -70,7 +73,8 @@ class ResponseOptions:
         if chat:
             return cls(want_logprobs=bool(req.logprobs),
                        tools=req.checked_tools if req.parses_tool_calls else [],
-                       tool_parser=req.tool_parser)
+                       tool_parser=req.tool_parser, reasoning=req.reasoning_parser,
+                       include_reasoning=req.include_reasoning)
         n = req.n or 1
         return cls(want_logprobs=req.logprobs is not None, echo=bool(req.echo),
                    prompt_texts=list(prompt_texts), drop_output=req.max_tokens == 0,
@@ -86,8 +90,15 @@ class ResponseOptions:
 
 
 def chat_message(text: str, opts: ResponseOptions) -> tuple[dict[str, Any], bool]:
-    """(assistant message, whether it called tools)."""
+    """(assistant message, whether it called tools). A reasoning model's think block
+    goes to ``reasoning_content`` (left out with ``include_reasoning`` false); tool calls
+    are read from the answer after it."""
+    reasoning = None
+    if opts.reasoning is not None:
+        reasoning, text = opts.reasoning.split(text)
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning is not None and opts.include_reasoning:
+        message["reasoning_content"] = reasoning
     if opts.tools:
         content, calls = opts.tool_parser.parse(text, opts.tools)
         if calls:

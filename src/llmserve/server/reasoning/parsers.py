@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Sequence
+
+from llmserve.structured_output.reasoning_budget import ReasoningBudget
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,22 @@ class ReasoningParser:
 
 PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
            "qwen3": ReasoningParser("qwen3", starts_inside=False)}
+
+
+class MarkerEncoder(Protocol):
+    """What a thinking budget needs of a tokenizer: the markers' token ids."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Sequence[int]: ...
+
+
+def thinking_budget(parser: ReasoningParser, tokenizer: MarkerEncoder,
+                    max_tokens: int) -> ReasoningBudget:
+    """The engine's :class:`ReasoningBudget` for ``parser``'s markers: at most
+    ``max_tokens`` of reasoning, then ``</think>`` is forced."""
+    end = tuple(tokenizer.encode(CLOSE_THINK, add_special_tokens=False))
+    start = () if parser.starts_inside else \
+        tuple(tokenizer.encode(OPEN_THINK, add_special_tokens=False))
+    return ReasoningBudget(max_tokens, end, start)
 
 
 def reasoning_parser(name: Optional[str], chat_template: Optional[str]) -> Optional[ReasoningParser]:

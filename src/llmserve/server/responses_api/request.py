@@ -16,6 +16,8 @@ here and rewritten as the chat body that asks for the same thing::
     tool_choice none / auto / required / {type: function, name} -> the same
     text.format text / json_object / json_schema    -> response_format
     max_output_tokens, temperature, top_p, parallel_tool_calls, user -> the same
+    reasoning.effort "none"              -> thinking_budget 0 on a reasoning model (other
+                                            efforts: no bound; no effect on other models)
 
 Anything this server cannot do (image, file or audio input; hosted tools such as web or
 file search; ``background``; ``truncation: "auto"``; item references; unknown fields) is
@@ -229,9 +231,10 @@ def response_format(req: ResponsesRequest) -> Optional[dict[str, Any]]:
 
 
 def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
-              new_messages: list[dict[str, Any]]) -> dict[str, Any]:
+              new_messages: list[dict[str, Any]], reasons: bool = False) -> dict[str, Any]:
     """The ``/v1/chat/completions`` body that asks for what ``req`` asks for, after the
-    chat messages of the conversation it continues (``history``)."""
+    chat messages of the conversation it continues (``history``). On a reasoning model
+    (``reasons``), ``reasoning.effort`` ``none`` is a thinking budget of 0."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
     messages += history + new_messages
     body: dict[str, Any] = {"messages": messages, **chat_tools(req)}
@@ -244,6 +247,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
     fmt = response_format(req)
     if fmt is not None:
         body["response_format"] = fmt
+    if reasons and req.reasoning is not None and req.reasoning.effort == "none":
+        body["thinking_budget"] = 0
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -24,6 +24,7 @@ from llmserve.contract.gateway_hook import CapturedResponse, OutcomeStatus
 from llmserve.server.generation import ChoiceDelta, GenerationRun
 from llmserve.server.protocol.response_shaping import ResponseOptions, chat_choices, completion_choices
 from llmserve.server.protocol.responses import ResponseHeader, chat_chunk_choice, completion_choice
+from llmserve.server.reasoning.parsers import ReasoningStreamer
 from llmserve.server.stream.sse import SSE_DONE, encode_event
 from llmserve.tool_parsers import ToolCallDeltaStream
 
@@ -40,16 +41,24 @@ ABORT_FINISH_REASON = "abort"
 def _chat_chunks(opts: ResponseOptions) -> ChunkMaker:
     want_logprobs = opts.want_logprobs
     streamers: dict[int, ToolCallDeltaStream] = {}
+    thinking: dict[int, ReasoningStreamer] = {}
 
     def make(d: ChoiceDelta) -> list[dict[str, Any]]:
         out = []
         text = d.text
         calls: list[dict[str, Any]] = []
+        if opts.reasoning is not None:
+            splitter = thinking.get(d.index)
+            if splitter is None:
+                splitter = thinking[d.index] = ReasoningStreamer(opts.reasoning)
+            reasoning, text = splitter.feed(text, final=d.finish_reason is not None)
+            if reasoning and opts.include_reasoning:
+                out.append(chat_chunk_choice(d.index, {"reasoning_content": reasoning}))
         if opts.tools:
             streamer = streamers.get(d.index)
             if streamer is None:
                 streamer = streamers[d.index] = opts.tool_parser.streamer(opts.tools)
-            text, calls = streamer.feed(d.text, final=d.finish_reason is not None)
+            text, calls = streamer.feed(text, final=d.finish_reason is not None)
         if text or (want_logprobs and d.logprobs):
             out.append(chat_chunk_choice(d.index, {"content": text}, None, d.logprobs,
                                          want_logprobs))
