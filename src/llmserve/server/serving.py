@@ -231,13 +231,13 @@ class OpenAIServing:
 
     # -- the endpoint ----------------------------------------------------------------
 
-    async def handle(self, request: Request, *, chat: bool) -> Any:
-        """Serve one chat or text completion request."""
+    async def authenticated_context(self, request: Request, endpoint: str
+                                    ) -> tuple[RequestContext, float]:
+        """(the request's context, its arrival on the monotonic clock) after the gateway's
+        ``authenticate``; a refusal is counted in the rejected requests and raised."""
         state = request.scope.setdefault("state", {})
-        request_id = state.get("request_id") or uuid.uuid4().hex
-        arrival = state.get("arrival_monotonic", time.monotonic())
         ctx = RequestContext(
-            request_id=request_id, endpoint="chat.completions" if chat else "completions",
+            request_id=state.get("request_id") or uuid.uuid4().hex, endpoint=endpoint,
             headers={k.lower(): v for k, v in request.headers.items()},
             client=request.client.host if request.client else None,
             arrival_time=state.get("arrival_time", time.time()))
@@ -246,6 +246,14 @@ class OpenAIServing:
         except OpenAIError as err:
             self.metrics.admission.count_rejected(err.status, err.code)
             raise
+        return ctx, state.get("arrival_monotonic", time.monotonic())
+
+    async def handle(self, request: Request, *, chat: bool) -> Any:
+        """Serve one chat or text completion request."""
+        state = request.scope.setdefault("state", {})
+        ctx, arrival = await self.authenticated_context(
+            request, "chat.completions" if chat else "completions")
+        request_id = ctx.request_id
         engine_ids: list[str] = []
         try:
             req, prompts, params, max_tokens = await self._prepare(request, ctx, arrival,

@@ -9,10 +9,10 @@ special tokens (:mod:`llmserve.tokenizer.chat`). No torch.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, Protocol, Sequence
 
 from llmserve.tool_parsers import ToolParser, detect_parser
+from llmserve.tool_parsers.base import loads_or_text
 from llmserve.tool_parsers.hermes import CLOSE, OPEN
 
 __all__ = ["CLOSE", "OPEN", "ChatTokenizer", "chat_prompt_tokens", "loads_or_text",
@@ -65,16 +65,6 @@ def prepare_messages(messages: list[dict], tools: list[dict], template: Optional
     else:
         out.insert(0, {"role": "system", "content": preamble})
     return out, None
-
-
-def loads_or_text(text: Any) -> Any:
-    """``text`` parsed as JSON, or as it is when it is not JSON (or not a string)."""
-    if not isinstance(text, str):
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def chat_prompt_tokens(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -103,15 +103,19 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> frozenset[str]:
     return frozenset(t["function"]["name"] for t in tools)
 
 
-def call_arguments(call: Mapping[str, Any]) -> Any:
-    """An OpenAI tool call's arguments as a value (the text when it is not JSON)."""
-    text = call["function"].get("arguments", "{}")
+def loads_or_text(text: Any) -> Any:
+    """``text`` parsed as JSON, or as it is when it is not JSON (or not a string)."""
     if not isinstance(text, str):
         return text
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def call_arguments(call: Mapping[str, Any]) -> Any:
+    """An OpenAI tool call's arguments as a value (the text when it is not JSON)."""
+    return loads_or_text(call["function"].get("arguments", "{}"))
 
 
 def tools_listing(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -234,7 +238,13 @@ class MarkerToolParser:
 
     name = ""
     keeps_special_tokens = False
+    #: How a model whose template has no tool support is told to call (after the listing).
+    call_format = ""
     triggers: Triggers
+
+    def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
+                f"{tools_listing(tools)}\n{self.call_format}")
 
     def streamer(self, tools: Sequence[Mapping[str, Any]]) -> CallStreamer:
         return CallStreamer(self.triggers, tools)

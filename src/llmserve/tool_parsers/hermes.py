@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from llmserve.tool_parsers.base import MarkerToolParser, Region, Triggers, call_arguments, tools_listing
+from llmserve.tool_parsers.base import MarkerToolParser, Region, Triggers, call_arguments
 from llmserve.tool_parsers.json_calls import JsonCallsRegion
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -48,21 +48,23 @@ def hermes_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool,
     return f"start: block{more}\nblock: {block}\ncall: %json {calls_schema(tools, json_options)}"
 
 
-class HermesParser(MarkerToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
-
-    name = "hermes"
-    triggers = Triggers(markers={OPEN: hermes_region}, first_chars={})
+class HermesForcing:
+    """Forced calls (``tool_choice`` required or named) as Hermes blocks: for Hermes, and
+    for formats a grammar writes awkwardly, whose parsers read Hermes blocks too."""
 
     def forcing_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool,
                         json_options: Mapping[str, Any]) -> str:
         return hermes_grammar(tools, parallel, json_options)
 
-    def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
-                f"{tools_listing(tools)}\n"
-                "To call a function, answer with one block per call:\n"
-                f'{OPEN}\n{{"name": <function-name>, "arguments": <arguments-object>}}\n{CLOSE}')
+
+class HermesParser(HermesForcing, MarkerToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+    name = "hermes"
+    call_format = (
+        "To call a function, answer with one block per call:\n"
+        f'{OPEN}\n{{"name": <function-name>, "arguments": <arguments-object>}}\n{CLOSE}')
+    triggers = Triggers(markers={OPEN: hermes_region}, first_chars={})
 
     def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
         return "\n".join(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from llmserve.tool_parsers.base import MarkerToolParser, Region, Triggers, call_arguments, tools_listing
+from llmserve.tool_parsers.base import MarkerToolParser, Region, Triggers, call_arguments
 from llmserve.tool_parsers.hermes import calls_schema
 from llmserve.tool_parsers.json_calls import JsonCallsRegion
 
@@ -28,6 +28,10 @@ class Llama3JsonParser(MarkerToolParser):
     """``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>`` or first)."""
 
     name = "llama3_json"
+    call_format = (
+        "To call a function, answer with only a JSON object, several separated by "
+        "'; ':\n"
+        '{"name": <function-name>, "parameters": <arguments-object>}')
     keeps_special_tokens = True
     triggers = Triggers(markers={PYTHON_TAG: llama3_region}, first_chars={"{": llama3_region})
 
@@ -36,13 +40,6 @@ class Llama3JsonParser(MarkerToolParser):
         more = ' ("; " call)*' if parallel else ""
         return (f"start: call{more}\n"
                 f"call: %json {calls_schema(tools, json_options, 'parameters')}")
-
-    def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
-                f"{tools_listing(tools)}\n"
-                "To call a function, answer with only a JSON object, several separated by "
-                "'; ':\n"
-                '{"name": <function-name>, "parameters": <arguments-object>}')
 
     def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
         return f"{SEPARATOR} ".join(

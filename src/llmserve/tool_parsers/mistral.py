@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from llmserve.tool_parsers.base import Event, MarkerToolParser, Region, Triggers, call_arguments, tools_listing
+from llmserve.tool_parsers.base import Event, MarkerToolParser, Region, Triggers, call_arguments
 from llmserve.tool_parsers.hermes import calls_schema
 from llmserve.tool_parsers.json_calls import JsonCallsRegion, RawJsonValue
 
@@ -89,6 +89,9 @@ class MistralParser(MarkerToolParser):
     """``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]name[ARGS]{...}``."""
 
     name = "mistral"
+    call_format = (
+        f"To call functions, answer with {TOOL_CALLS} and a JSON array of calls:\n"
+        f'{TOOL_CALLS}[{{"name": <function-name>, "arguments": <arguments-object>}}]')
     keeps_special_tokens = True
     triggers = Triggers(markers={TOOL_CALLS: mistral_region}, first_chars={})
 
@@ -97,12 +100,6 @@ class MistralParser(MarkerToolParser):
         more = ' (", " call)*' if parallel else ""
         return (f'start: "{TOOL_CALLS}[" call{more} "]"\n'
                 f"call: %json {calls_schema(tools, json_options)}")
-
-    def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
-                f"{tools_listing(tools)}\n"
-                f"To call functions, answer with {TOOL_CALLS} and a JSON array of calls:\n"
-                f'{TOOL_CALLS}[{{"name": <function-name>, "arguments": <arguments-object>}}]')
 
     def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
         return TOOL_CALLS + json.dumps(

@@ -15,8 +15,8 @@ import json
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-from llmserve.tool_parsers.base import Event, MarkerToolParser, Region, Triggers, call_arguments, tools_listing
-from llmserve.tool_parsers.hermes import OPEN, hermes_grammar, hermes_region
+from llmserve.tool_parsers.base import Event, MarkerToolParser, Region, Triggers, call_arguments
+from llmserve.tool_parsers.hermes import OPEN, HermesForcing, hermes_region
 
 _SPACE = " \t\r\n"
 
@@ -160,21 +160,14 @@ def pythonic_region(opener: str, known: frozenset[str]) -> Region:
     return PythonicRegion(opener, known)
 
 
-class PythonicParser(MarkerToolParser):
+class PythonicParser(HermesForcing, MarkerToolParser):
     """``[fn(a=1, b="x"), g()]`` first in the answer (and Hermes blocks)."""
 
     name = "pythonic"
+    call_format = (
+        "To call functions, answer with only a Python list of calls with keyword "
+        "arguments:\n[func_name1(param1=value1, param2=value2), func_name2()]")
     triggers = Triggers(markers={OPEN: hermes_region}, first_chars={"[": pythonic_region})
-
-    def forcing_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool,
-                        json_options: Mapping[str, Any]) -> str:
-        return hermes_grammar(tools, parallel, json_options)
-
-    def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
-                f"{tools_listing(tools)}\n"
-                "To call functions, answer with only a Python list of calls with keyword "
-                "arguments:\n[func_name1(param1=value1, param2=value2), func_name2()]")
 
     def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
         parts = []

@@ -30,9 +30,8 @@ from llmserve.tool_parsers.base import (
     Triggers,
     call_arguments,
     partial_suffix,
-    tools_listing,
 )
-from llmserve.tool_parsers.hermes import CLOSE, OPEN, hermes_grammar
+from llmserve.tool_parsers.hermes import CLOSE, OPEN, HermesForcing
 from llmserve.tool_parsers.json_calls import JsonCallsRegion
 from llmserve.tool_parsers.pythonic import json_value
 
@@ -211,10 +210,14 @@ class Qwen3CoderRegion:
         return self.text[at + len(CLOSE):]
 
 
-class Qwen3CoderParser(MarkerToolParser):
+class Qwen3CoderParser(HermesForcing, MarkerToolParser):
     """``<tool_call><function=NAME><parameter=P>VALUE</parameter></function></tool_call>``."""
 
     name = "qwen3_coder"
+    call_format = (
+        "To call a function, answer with one block per call:\n"
+        f"{OPEN}\n{FUNCTION}function-name>\n{PARAMETER}parameter-name>\nvalue\n"
+        f"{END_PARAMETER}\n{END_FUNCTION}\n{CLOSE}")
 
     def streamer(self, tools: Sequence[Mapping[str, Any]]) -> CallStreamer:
         params = {t["function"]["name"]: dict(
@@ -224,17 +227,6 @@ class Qwen3CoderParser(MarkerToolParser):
             return Qwen3CoderRegion(opener, known, params)
 
         return CallStreamer(Triggers(markers={OPEN: region}, first_chars={}), tools)
-
-    def forcing_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool,
-                        json_options: Mapping[str, Any]) -> str:
-        return hermes_grammar(tools, parallel, json_options)
-
-    def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You can call functions. Their signatures are listed in <tools></tools>:\n"
-                f"{tools_listing(tools)}\n"
-                "To call a function, answer with one block per call:\n"
-                f"{OPEN}\n{FUNCTION}function-name>\n{PARAMETER}parameter-name>\nvalue\n"
-                f"{END_PARAMETER}\n{END_FUNCTION}\n{CLOSE}")
 
     def render_calls(self, calls: Sequence[Mapping[str, Any]]) -> str:
         blocks = []

@@ -31,17 +31,8 @@ from llmserve.server.anthropic.response import (
     stop_reason,
     usage,
 )
-
-
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    """One Anthropic SSE event: ``event: <type>`` then its JSON ``data``."""
-    return (f"event: {event}\ndata: " + json.dumps(data, separators=(",", ":"),
-                                                   ensure_ascii=False) + "\n\n").encode("utf-8")
-
-
-def chunk_payloads(raw: bytes) -> list[str]:
-    """The ``data:`` payloads of one or more encoded chat SSE events."""
-    return [line[6:] for line in raw.decode("utf-8").split("\n") if line.startswith("data: ")]
+from llmserve.server.stream.sse import encode_named_event as sse
+from llmserve.server.stream.sse import sse_payloads
 
 
 class MessageStreamTranslator:
@@ -144,24 +135,17 @@ async def anthropic_events(chat_events: AsyncIterator[bytes], model: str,
                            stop_sequences: Optional[list[str]]) -> AsyncIterator[bytes]:
     """The Anthropic event stream of a chat completion stream (see the module docstring)."""
     translator = MessageStreamTranslator(model, stop_sequences)
-    iterator = chat_events.__aiter__()
+    payloads = sse_payloads(chat_events)
     try:
-        while True:
-            try:
-                raw = await iterator.__anext__()
-            except StopAsyncIteration:
-                break
-            except OpenAIError as err:   # before anything was sent: a plain error response
-                raise AnthropicError.of(err) from None
-            for payload in chunk_payloads(raw):
-                for event in translator.feed(payload):
-                    yield event
+        async for payload in payloads:
+            for event in translator.feed(payload):
+                yield event
             if translator.done:
                 break
-        if translator.started and not translator.done:   # ended without [DONE]
-            for event in translator.finish_events():
-                yield event
+    except OpenAIError as err:   # before anything was sent: a plain error response
+        raise AnthropicError.of(err) from None
     finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await payloads.aclose()
+    if translator.started and not translator.done:   # ended without [DONE]
+        for event in translator.finish_events():
+            yield event

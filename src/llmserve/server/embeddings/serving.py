@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -32,6 +30,7 @@ from llmserve.server.generation import GenerationRun
 from llmserve.server.headers import unsendable_header
 from llmserve.server.limits import check_token_ids
 from llmserve.server.metrics.prometheus import RequestTimer
+from llmserve.server.protocol.openai import body_text
 from llmserve.server.protocol.responses import terminal_error
 from llmserve.server.serving import OpenAIServing
 from llmserve.server.stream.sse import ClientDisconnected, replay_response, run_until_disconnect
@@ -44,13 +43,7 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """The body as an :class:`EmbeddingRequest` (400 naming the field otherwise)."""
     from pydantic import ValidationError
 
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"The request body is not valid UTF-8 (byte {exc.start})",
-                          code="invalid_encoding") from None
-    if not text.strip():
-        raise bad_request("The request body is empty; expected a JSON object", code="invalid_json")
+    text = body_text(body)
     try:
         return EmbeddingRequest.model_validate_json(text)
     except ValidationError as exc:
@@ -87,18 +80,8 @@ class EmbeddingsEndpoint:
         """Serve one embeddings request (see the module docstring)."""
         serving = self.serving
         state = request.scope.setdefault("state", {})
-        request_id = state.get("request_id") or uuid.uuid4().hex
-        arrival = state.get("arrival_monotonic", time.monotonic())
-        ctx = RequestContext(
-            request_id=request_id, endpoint="embeddings",
-            headers={k.lower(): v for k, v in request.headers.items()},
-            client=request.client.host if request.client else None,
-            arrival_time=state.get("arrival_time", time.time()))
-        try:
-            await call_hook(self.gateway, "authenticate", ctx)
-        except OpenAIError as err:
-            self.metrics.admission.count_rejected(err.status, err.code)
-            raise
+        ctx, arrival = await self.serving.authenticated_context(request, "embeddings")
+        request_id = ctx.request_id
         engine_ids: list[str] = []
         try:
             prepared = await self._prepare(request, ctx, arrival)

@@ -424,10 +424,8 @@ class CompletionRequest(_SamplingFields):
         return prompts
 
 
-def parse_request(model_cls: type[BaseModel], body: bytes,
-                  limits: RequestLimits = DEFAULT_LIMITS) -> Any:
-    """Decode and validate a JSON body into ``model_cls`` and check its sizes against
-    ``limits``; raises OpenAIError (400)."""
+def body_text(body: bytes) -> str:
+    """A request body as text: a 400 when it is not UTF-8 or holds nothing."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -435,6 +433,14 @@ def parse_request(model_cls: type[BaseModel], body: bytes,
                           code="invalid_encoding") from None
     if not text.strip():
         raise bad_request("The request body is empty; expected a JSON object", code="invalid_json")
+    return text
+
+
+def parse_request(model_cls: type[BaseModel], body: bytes,
+                  limits: RequestLimits = DEFAULT_LIMITS) -> Any:
+    """Decode and validate a JSON body into ``model_cls`` and check its sizes against
+    ``limits``; raises OpenAIError (400)."""
+    text = body_text(body)
     try:
         req = model_cls.model_validate_json(text)
     except ValidationError as exc:

@@ -33,7 +33,7 @@ from llmserve.server.responses_api.output import (
     reasoning_item,
     usage_of,
 )
-from llmserve.server.stream.sse import data_payloads, encode_named_event
+from llmserve.server.stream.sse import encode_named_event, sse_payloads
 
 #: Makes a response's shell from the first chat chunk's ``id`` and ``created``.
 ShellMaker = Callable[[str, Any, str], ResponseShell]
@@ -223,28 +223,20 @@ async def response_events(chat_events: AsyncIterator[bytes],
                           on_complete: OnComplete) -> AsyncIterator[bytes]:
     """The Responses event stream of a chat completion stream (see the module docstring);
     ``on_complete`` (the store) sees the final response before its last event is sent."""
-    iterator = chat_events.__aiter__()
+    finished = False
+    payloads = sse_payloads(chat_events)
     try:
-        finished = False
-        while not translator.done:
-            try:
-                raw = await iterator.__anext__()
-            except StopAsyncIteration:
-                break
-            for payload in data_payloads(raw):
-                if payload.strip() == "[DONE]":
-                    finished = True
-                for event in translator.feed(payload):
-                    yield event
-            if finished:
-                break
-        if translator.started and not translator.done:
-            if not finished and translator.finish_reason is None:
-                translator.finish_reason = "abort"     # cut short: incomplete
-            await on_complete(translator.final_response())
-            for event in translator.finish_events():
+        async for payload in payloads:
+            finished = payload.strip() == "[DONE]"
+            for event in translator.feed(payload):
                 yield event
+            if finished or translator.done:
+                break
     finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await payloads.aclose()
+    if translator.started and not translator.done:
+        if not finished and translator.finish_reason is None:
+            translator.finish_reason = "abort"     # cut short: incomplete
+        await on_complete(translator.final_response())
+        for event in translator.finish_events():
+            yield event

@@ -16,7 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, MutableMapping, Optional, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    MutableMapping,
+    Optional,
+    TypeVar,
+)
 
 from starlette.responses import JSONResponse, Response
 
@@ -49,6 +59,21 @@ def encode_named_event(event: str, payload: dict[str, Any]) -> bytes:
 def data_payloads(raw: bytes) -> list[str]:
     """The ``data:`` payloads of one or more encoded SSE events."""
     return [line[6:] for line in raw.decode("utf-8").split("\n") if line.startswith("data: ")]
+
+
+async def sse_payloads(events: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
+    """The ``data:`` payloads of an encoded SSE stream, one at a time; the stream is
+    closed when the consumer stops (how the Messages and Responses translators read the
+    chat stream)."""
+    iterator = events.__aiter__()
+    try:
+        async for raw in iterator:
+            for payload in data_payloads(raw):
+                yield payload
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class ClientDisconnected(Exception):
