@@ -112,6 +112,7 @@ CROSS_FIELD_RULES = (
     "together (min_tokens above max_tokens, top_logprobs without logprobs, stream_options "
     "without stream, best_of below n or streamed, max_tokens 0 without echo, a forced "
     "tool_choice with an output format or naming no tool, a function name given twice, "
+    "thinking_budget with a forced tool_choice or an output format, "
     "both response_format and structured_outputs, a suffix with token prompts, more than "
     "128 prompts x n); code `unsupported_schema` when a regex, grammar or JSON Schema "
     "constraint cannot be compiled or matches no string.")
@@ -119,16 +120,21 @@ CROSS_FIELD_RULES = (
 
 def request_schemas(limits: RequestLimits, max_model_len: int,
                     vocab_size: Optional[int] = None, *, prompt_bundles: bool = True,
-                    fill_in_the_middle: bool = True) -> dict[str, dict[str, Any]]:
+                    fill_in_the_middle: bool = True,
+                    reasoning: bool = True) -> dict[str, dict[str, Any]]:
     """Component schemas of both request bodies (and the objects they use);
     ``prompt_bundles``: whether a gateway resolves ``prompt_bundle`` (else it is not a
     field: sending it is refused like any unknown field); ``fill_in_the_middle``: whether
-    every served tokenizer has FIM tokens (else ``suffix`` can only be empty)."""
+    every served tokenizer has FIM tokens (else ``suffix`` can only be empty);
+    ``reasoning``: whether every served model has a reasoning parser (else
+    ``thinking_budget`` is not a field: a model that does not reason refuses it)."""
     _, top = models_json_schema([(ChatCompletionRequest, "validation"),
                                  (CompletionRequest, "validation")], ref_template=_REF)
     defs: dict[str, dict[str, Any]] = copy.deepcopy(top["$defs"])
     if not prompt_bundles:
         defs["ChatCompletionRequest"]["properties"].pop("prompt_bundle", None)
+    if not reasoning:
+        defs["ChatCompletionRequest"]["properties"].pop("thinking_budget", None)
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         defs[name]["description"] = CROSS_FIELD_RULES
     chat, comp = defs["ChatCompletionRequest"]["properties"], defs["CompletionRequest"]["properties"]
@@ -136,6 +142,8 @@ def request_schemas(limits: RequestLimits, max_model_len: int,
         _sampling(props, limits, max_model_len)
     _tighten(chat["max_completion_tokens"], minimum=1, maximum=max_model_len)
     _tighten(chat["top_logprobs"], minimum=0, maximum=20)
+    if "thinking_budget" in chat:
+        _tighten(chat["thinking_budget"], minimum=0, maximum=1_000_000)
     chat["messages"].update(minItems=1, maxItems=limits.max_messages)
     defs["ChatCompletionRequest"]["required"] = ["messages"]
     function = {"type": "object", "additionalProperties": False, "required": ["name"],
@@ -255,7 +263,7 @@ def _operation(request: str, response: str, chunk: str) -> dict[str, Any]:
 
 def install_openapi(app: Any, limits: RequestLimits, max_model_len: int,
                     vocab_size: Optional[int] = None, *, prompt_bundles: bool = False,
-                    fill_in_the_middle: bool = True) -> None:
+                    fill_in_the_middle: bool = True, reasoning: bool = False) -> None:
     """Make ``app.openapi()`` describe the generation endpoints' bodies (``prompt_bundle``
     only when the gateway resolves bundles)."""
     original: Callable[[], dict[str, Any]] = app.openapi
@@ -267,7 +275,8 @@ def install_openapi(app: Any, limits: RequestLimits, max_model_len: int,
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(request_schemas(limits, max_model_len, vocab_size,
                                            prompt_bundles=prompt_bundles,
-                                           fill_in_the_middle=fill_in_the_middle))
+                                           fill_in_the_middle=fill_in_the_middle,
+                                           reasoning=reasoning))
         components.update(response_schemas())
         for path, names in ENDPOINTS.items():
             op = schema["paths"][path]["post"]
