@@ -1,5 +1,5 @@
-"""`llmserve.integrations.ray_serve` on a real local Ray cluster (CPU): two engine replicas
-behind the OpenAI ingress, driven by the official `openai` client through Ray Serve's
+"""`llmserve serve-ray` on a real local Ray cluster (CPU): two engine replicas behind the
+OpenAI ingress, driven by the official `openai` client through Ray Serve's
 HTTP proxy. Issue 31: all 40 requests succeed, both replicas serve (x-llmserve-replica),
 the prefix-aware request router keeps at least 90% of one engine's prefix-cache hits on a
 shared-prefix workload, and the gateway (at the ingress) writes one ledger row per request.
@@ -22,7 +22,8 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 import llmserve  # noqa: E402
-from llmserve.integrations.ray_serve import build_app  # noqa: E402
+from llmserve.cli import build_parser  # noqa: E402
+from llmserve.integrations.ray_serve.cli import cmd_serve_ray  # noqa: E402
 from llmserve.router.replica_header import REPLICA_HEADER  # noqa: E402
 from tests.gateway.gateway_server_helpers import ledger_rows, write_config  # noqa: E402
 from tests.integrations.serve_process import free_port  # noqa: E402
@@ -76,6 +77,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def ray_app(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """`llmserve serve-ray` (its CLI function, in a thread) on a local 2-CPU Ray cluster."""
     folder = tmp_path_factory.mktemp("gateway")
     config = write_config(folder, {"acme": {"models": ["tiny"]}}, {"acme": KEY},
                           database="ledger.db", request_timeout_s=60)
@@ -83,14 +85,39 @@ def ray_app(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": src, "OMP_NUM_THREADS": "1"}})
     port = free_port()
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+             for k, v in ENGINE_FLAGS.items()]
+    args = build_parser().parse_args([
+        "serve-ray", "--model", model, "--num-replicas", "2", "--routing", "prefix",
+        "--config", str(config), "--served-model-name", "tiny", "--stats-interval", "0.5",
+        "--port", str(port), "--app-name", "llmserve-test", *flags])
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            cmd_serve_ray(args, wait=stop.wait)
+        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if errors:
+            raise errors[0]
+        try:
+            return httpx.get(url + "/ready", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": model, "num_replicas": 2, "routing": "prefix",
-                             "config": str(config), "served_model_name": "tiny",
-                             "stats_interval": 0.5, "replica_cpus": 1, **ENGINE_FLAGS}),
-                  name="llmserve-test", route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "db": folder / "ledger.db"}
+        wait_for(ready, 180, "serve-ray to be ready")
+        yield {"url": url, "db": folder / "ledger.db"}
     finally:
+        stop.set()
+        thread.join(60)
         serve.shutdown()
         ray.shutdown()
 

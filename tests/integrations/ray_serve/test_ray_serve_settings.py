@@ -92,3 +92,16 @@ def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
 
     with pytest.raises(ValueError, match=r"llmserve\[ray\]"):
         build_app({"num_replicas": 2})
+
+
+def test_build_app_binds_ingress_over_engine_deployment() -> None:
+    """`serve run llmserve.integrations.ray_serve:build_app` builds without a cluster."""
+    pytest.importorskip("ray.serve")
+    from llmserve.integrations.ray_serve import build_app
+
+    app = build_app({"num_replicas": 2, "routing": "round-robin"}, device="cpu")
+    ingress = app._bound_deployment  # noqa: SLF001 - what `serve run` would deploy
+    assert ingress.name == "LlmserveIngress"
+    engine = ingress.init_args[0]._bound_deployment  # noqa: SLF001
+    assert engine.name == ENGINE_DEPLOYMENT and engine.num_replicas == 2
+    assert ingress.init_args[1].routing.policy == "round-robin"
