@@ -25,7 +25,7 @@ from llmserve.router.policy import RoutingConfig
 ENGINE_DEPLOYMENT = "LlmserveEngine"
 INGRESS_DEPLOYMENT = "LlmserveIngress"
 
-#: ``x-llmserve-replica`` names Ray replicas by their unique id (e.g. ``k3v9x2p1``).
+#: The HTTP-limit flags of ``serve`` that the ingress applies (over the config's ``server``).
 LIMIT_FLAGS = ("max_body_bytes", "body_read_timeout_s", "header_read_timeout_s",
                "keep_alive_timeout_s", "max_connections", "tokenizer_threads")
 
