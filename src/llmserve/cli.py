@@ -1,5 +1,5 @@
-"""The `llmserve` command line: generate, serve, engine, router, eval, bench, kv-calc, export-hf,
-keys, billing."""
+"""The `llmserve` command line: generate, serve, engine, router, serve-ray, eval, bench, kv-calc,
+export-hf, keys, billing."""
 from __future__ import annotations
 
 import argparse
@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
     add_scale_commands(sub, add_engine_args, engine_config_from_args, add_server_limit_args,
                        server_limits_from_args)
+    from llmserve.integrations.ray_serve.cli import add_serve_ray_command
+
+    add_serve_ray_command(sub)   # imports Ray only when run
 
     from llmserve.eval.cli import add_eval_parser
     from llmserve.gateway.cli_commands import add_admin_commands

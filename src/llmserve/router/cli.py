@@ -23,6 +23,17 @@ TOKEN_ENV = "LLMSERVE_ENGINE_TOKEN"
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """Routing and health flags shared by ``router`` and ``serve --data-parallel-size``."""
     g = p.add_argument_group("routing over replicas (docs/SCALING.md)")
+    add_routing_policy_args(g)
+    g.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between status polls of each replica")
+    g.add_argument("--eject-after", type=int, default=2,
+                   help="failed polls in a row that eject a replica")
+    g.add_argument("--readmit-after", type=int, default=2,
+                   help="good polls in a row that re-admit an ejected replica")
+
+
+def add_routing_policy_args(g: Any) -> None:
+    """The policy flags of :class:`RoutingConfig` (also used by ``serve-ray``)."""
     g.add_argument("--routing", default="prefix", choices=ROUTING_POLICIES,
                    help="prefix: consistent hashing of the first blocks' chained hashes per "
                         "tenant, least-loaded over a threshold; round-robin; least-loaded")
@@ -35,12 +46,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="... and this many times as many")
     g.add_argument("--max-waiting", type=int, default=16,
                    help="fall back when the preferred replica queues more requests")
-    g.add_argument("--health-interval", type=float, default=1.0,
-                   help="seconds between status polls of each replica")
-    g.add_argument("--eject-after", type=int, default=2,
-                   help="failed polls in a row that eject a replica")
-    g.add_argument("--readmit-after", type=int, default=2,
-                   help="good polls in a row that re-admit an ejected replica")
 
 
 def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
