@@ -63,6 +63,14 @@ def test_speculative_flags_generate_and_clear_errors(tmp_path):
             "--ngram-max", "2", "hi")
     assert r.returncode == 2
     assert "ngram_min" in r.stderr and "Traceback" not in r.stderr
+    r = run("generate", "--model", path, "--max-tokens", "8", "--num-kv-blocks", "32",
+            "--speculative-method", "suffix", "--suffix-min-confidence", "0.3",
+            "Hello Hello Hello")
+    assert r.returncode == 0, r.stderr
+    r = run("generate", "--model", path, "--speculative-method", "suffix",
+            "--suffix-min-confidence", "1.5", "hi")
+    assert r.returncode == 2
+    assert "suffix_min_confidence" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_lora_flags_give_clear_errors(tmp_path):

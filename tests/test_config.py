@@ -36,6 +36,8 @@ def test_every_section_field_has_exactly_one_flag():
     ({"bogus": 1}, TypeError, "unknown engine argument"),
     ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be >= 1"),
     ({"speculative_method": "draft"}, ValueError, "draft_model is required"),
+    ({"suffix_max_depth": 1}, ValueError, "suffix_max_depth must be in"),
+    ({"suffix_cache_max_nodes": -1}, ValueError, "suffix_cache_max_nodes must be"),
     ({"max_loras": 1, "tensor_parallel_size": 2}, ValueError, "not supported with"),
     ({"lora_modules": (("a", "/x"),)}, ValueError, "need max_loras"),
     ({"dtype": "int3"}, ValueError, "dtype must be one of"),

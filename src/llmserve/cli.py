@@ -83,14 +83,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "last prompt position (decoder models), the mean of all, or the "
                         "first (cls); see docs/EMBEDDINGS.md")
     s = p.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
-    s.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
-                   help="ngram: prompt lookup (no extra model); draft: a smaller model with "
-                        "the same tokenizer (--draft-model)")
+    s.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft"],
+                   help="ngram: prompt lookup (no extra model); suffix: suffix decoding over "
+                        "the request's tokens and recent outputs (agent loops, edits); draft: "
+                        "a smaller model with the same tokenizer (--draft-model)")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per sequence and step (k)")
     s.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram "
                    "proposer matches")
     s.add_argument("--ngram-max", type=int, default=4, help="longest suffix it matches")
+    s.add_argument("--suffix-min-confidence", type=float, default=0.1,
+                   help="suffix: stop a draft when the share of its most frequent "
+                        "continuation (multiplied along the draft) falls below this")
+    s.add_argument("--suffix-max-depth", type=int, default=32,
+                   help="suffix: longest match plus draft its suffix trees spell out")
+    s.add_argument("--suffix-cache-max-nodes", type=int, default=200_000,
+                   help="suffix: nodes of the tree over recent requests' outputs (oldest "
+                        "requests evicted past it; 0: own tokens only)")
     s.add_argument("--draft-model", default=None,
                    help="draft model (HF folder or .gguf); the target's own GGUF with "
                         "--draft-quantization int4 drafts with its packed 4-bit weights")
@@ -138,7 +147,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile_in_background=getattr(args, "startup_compile", None) == "background",
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max, draft_model=args.draft_model,
+        ngram_max=args.ngram_max, suffix_min_confidence=args.suffix_min_confidence,
+        suffix_max_depth=args.suffix_max_depth,
+        suffix_cache_max_nodes=args.suffix_cache_max_nodes, draft_model=args.draft_model,
         draft_quantization=args.draft_quantization,
         speculative_max_batch=args.speculative_max_batch,
         speculative_adaptive=args.speculative_adaptive,

@@ -169,6 +169,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
     "ngram_min": ("speculative", "ngram_min"),
     "ngram_max": ("speculative", "ngram_max"),
+    "suffix_max_depth": ("speculative", "suffix_max_depth"),
+    "suffix_min_confidence": ("speculative", "suffix_min_confidence"),
+    "suffix_cache_max_nodes": ("speculative", "suffix_cache_max_nodes"),
     "speculative_max_batch": ("speculative", "max_batch"),
     "speculative_adaptive": ("speculative", "adaptive"),
 }

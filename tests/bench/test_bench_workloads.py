@@ -158,3 +158,28 @@ def test_extractive_passages_are_seeded_and_sized(bpe_tokenizer):
         assert s.input_len == n_tokens(bpe_tokenizer, s.prompt)
         assert s.output_len == n_tokens(bpe_tokenizer, passage) + 16
         assert len(passage.split()) >= 150
+
+
+def test_agent_edit_requests_are_seeded_sized_and_echo_their_input(bpe_tokenizer):
+    a = build_workload("agent-edit", bpe_tokenizer, num_prompts=4, input_len=200,
+                       output_len=1, seed=3)
+    b = build_workload("agent-edit", bpe_tokenizer, num_prompts=4, input_len=200,
+                       output_len=1, seed=3)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert [s.meta["task"] for s in a] == ["code", "json", "code", "json"]
+    for s in a:
+        instruction, fenced = s.prompt.split("\n\n", 1)
+        body = fenced.split("\n", 1)[1].rsplit("```", 1)[0]
+        if s.meta["task"] == "json":
+            body = body.removesuffix("\n")
+        assert s.input_len == n_tokens(bpe_tokenizer, s.prompt)
+        assert n_tokens(bpe_tokenizer, body) >= 180
+        assert s.output_len == n_tokens(bpe_tokenizer, body) + 24
+        assert s.messages == [{"role": "user", "content": s.prompt}]
+        if s.meta["task"] == "json":
+            orders = json.loads(body)["orders"]
+            target = int(instruction.split("order ")[1].split()[0])
+            assert target in {o["id"] for o in orders}
+        else:
+            old = instruction.split("`")[1]
+            assert f"def {old}(" in body

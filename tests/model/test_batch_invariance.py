@@ -103,23 +103,26 @@ def test_logits_are_the_same_alone_batched_chunked_and_cached(gguf_path, params)
     assert_same(alone, got, "after a prefix-cache hit")
 
 
-def test_ngram_speculation_gives_the_logits_of_plain_decoding(gguf_path):
-    """Drafts verified in a compiled verify step: each emitted token comes from the same
-    logits as without speculation (the verify rows run as the decodes at their positions)."""
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_gives_the_logits_of_plain_decoding(gguf_path, method):
+    """Drafts (n-gram or suffix decoding) verified in a compiled verify step: each emitted
+    token comes from the same logits as without speculation (the verify rows run as the
+    decodes at their positions)."""
     loop = [[(5 * i + j % 7) % 400 + 3 for j in range(42 + 9 * i)] for i in range(6)]
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     plain = engine(gguf_path, enable_prefix_caching=False)
     alone = [run(plain, [p], long) for p in loop]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
-    spec = engine(gguf_path, enable_prefix_caching=False, speculative_method="ngram",
-                  num_speculative_tokens=3, ngram_min=2, ngram_max=3)
+    extra = dict(ngram_min=2, ngram_max=3) if method == "ngram" else {}
+    spec = engine(gguf_path, enable_prefix_caching=False, speculative_method=method,
+                  num_speculative_tokens=3, **extra)
     assert spec.engine.runner.compiled_verify is not None
     # alone, every step with drafts is a compiled verify step; together, mixed steps
     # verify eagerly
     solo = [run(spec, [p], long) for p in loop]
     assert_same(alone, ([a[0][0] for a in solo], [a[1][0] for a in solo]),
-                "with n-gram speculation, alone")
-    assert_same(alone, run(spec, loop, long), "with n-gram speculation, batched")
+                f"with {method} speculation, alone")
+    assert_same(alone, run(spec, loop, long), f"with {method} speculation, batched")
     assert spec.engine.get_stats().spec_accepted_tokens_total > 0
 
 

@@ -2,22 +2,26 @@
 scheduling k + 1 tokens, greedy verification, KV rollback, stop checks, adaptivity."""
 from __future__ import annotations
 
+import pytest
+
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.decoder import SpecDecodeConfig, SpecState, SpeculativeDecoder
 from llmserve.spec_decode.proposers import NgramIndex, NgramProposer, PredictionState
+from llmserve.spec_decode.suffix_proposer import SuffixProposer
 from tests.engine.conftest import BLOCK, make_core
 
 VOCAB = 16   # the fake runner emits 10 + sum % 6: short cycles, so n-grams repeat
 
 
-def spec_core(k=4, max_batch=16, adaptive=True, **kw):
+def spec_core(k=4, max_batch=16, adaptive=True, method="ngram", **kw):
     core = make_core(**kw)
     core.runner.vocab = VOCAB
     cfg = SpecDecodeConfig(num_speculative_tokens=k, ngram_min=1, ngram_max=3,
                            max_batch=max_batch, adaptive=adaptive)
-    core.spec = SpeculativeDecoder(cfg, NgramProposer(1, 3))
+    proposer = NgramProposer(1, 3) if method == "ngram" else SuffixProposer(16, 0.1, 10_000)
+    core.spec = SpeculativeDecoder(cfg, proposer)
     return core
 
 
@@ -58,9 +62,10 @@ def run(core, requests, max_steps=2000):
     return out
 
 
-def test_greedy_identical_with_speculation_mixed_batch():
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_identical_with_speculation_mixed_batch(method):
     ref = run(plain_core(), [req(f"r{i}", p) for i, p in enumerate(PROMPTS)])
-    core = spec_core()
+    core = spec_core(method=method)
     # r1 never speculates (its state pauses it for the whole run)
     reqs = [req(f"r{i}", p) for i, p in enumerate(PROMPTS)]
     reqs[1].spec_state = SpecState()
@@ -85,10 +90,11 @@ def test_speculation_takes_fewer_steps():
     assert len(spec.schedules) < 0.6 * len(plain.schedules)
 
 
-def test_identical_through_preemption_and_budget_limits():
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_identical_through_preemption_and_budget_limits(method):
     reqs = lambda: [req(f"r{i}", p, max_tokens=40) for i, p in enumerate(PROMPTS)]  # noqa: E731
     ref = run(plain_core(num_blocks=64), reqs())
-    core = spec_core(num_blocks=18, max_num_batched_tokens=9)
+    core = spec_core(num_blocks=18, max_num_batched_tokens=9, method=method)
     got = run(core, reqs())
     assert core.scheduler.num_preemptions > 0
     assert got == ref

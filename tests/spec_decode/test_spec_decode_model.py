@@ -1,6 +1,7 @@
-"""Speculative decoding on a real (tiny, random) model: greedy outputs token-identical to
-decoding without speculation (mixed batches, penalties, logprobs, preemption), and sampled
-outputs that follow the target distribution (chi-square against exact probabilities)."""
+"""Speculative decoding on a real (tiny, random) model, n-gram and suffix proposers: greedy
+outputs token-identical to decoding without speculation (mixed batches, penalties,
+logprobs, preemption, prefix-cache hits), and sampled outputs that follow the target
+distribution (chi-square against exact probabilities)."""
 from __future__ import annotations
 
 import itertools
@@ -23,11 +24,21 @@ def tiny_path(tmp_path_factory):
                                 num_heads=4, num_kv_heads=2, seed=5)
 
 
-def _llm(path, spec: bool, **kw):
+METHODS = ["ngram", "suffix"]
+
+
+def _llm(path, spec, **kw):
+    """``spec``: False, True (n-gram) or a method name. Speculating engines always draft
+    (no adaptivity: the step-cost model may find drafts do not pay on this tiny model, and
+    these tests are about what verification yields)."""
     args = dict(dtype="float32", num_kv_blocks=128, block_size=4, check_invariants=True)
     if spec:
+        args.update(speculative_adaptive=False)
+    if spec is True or spec == "ngram":
         args.update(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1,
                     ngram_max=3)
+    elif spec:
+        args.update(speculative_method=spec, num_speculative_tokens=4)
     args.update(kw)
     return LLM(path, **args)
 
@@ -43,10 +54,11 @@ def _mixed_params():
                            stop_token_ids=[43, 56])]
 
 
-def test_greedy_identical_with_ngram_speculation(tiny_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_with_speculation(tiny_path, method):
     params = _mixed_params()
     ref = _llm(tiny_path, spec=False).generate(PROMPTS, params)
-    llm = _llm(tiny_path, spec=True)
+    llm = _llm(tiny_path, spec=method)
     got = llm.generate(PROMPTS, params)
     for r, g in zip(ref, got):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
@@ -62,14 +74,33 @@ def test_greedy_identical_with_ngram_speculation(tiny_path):
     assert llm.engine.kv.num_used_blocks == 0
 
 
-def test_greedy_identical_through_preemption(tiny_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_through_preemption(tiny_path, method):
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in _llm(tiny_path, spec=False).generate(PROMPTS, params)]
-    tight = _llm(tiny_path, spec=True, num_kv_blocks=30, max_num_batched_tokens=24)
+    tight = _llm(tiny_path, spec=method, num_kv_blocks=30, max_num_batched_tokens=24)
     got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params)]
     assert tight.get_stats().num_preemptions > 0
     assert tight.engine.spec.stats.accepted_tokens > 0
     assert got == ref
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_after_prefix_cache_hits(tiny_path, method):
+    """The second round reads its prompts from the prefix cache, and (suffix) drafts from
+    the first round's answers in the global tree: the same tokens as without either."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_path, spec=False).generate(PROMPTS, params)]
+    llm = _llm(tiny_path, spec=method, enable_prefix_caching=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    accepted = llm.engine.spec.stats.accepted_tokens
+    second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert first == ref and second == ref
+    assert llm.get_stats().prefix_hit_tokens > 0
+    gained = llm.engine.spec.stats.accepted_tokens - accepted
+    assert gained > 0
+    if method == "suffix":   # the answers repeat: most of the second round is drafted
+        assert gained > 0.6 * sum(len(t) for t in ref), (gained, accepted)
 
 
 def _chi2_critical(df: int, z: float = 3.09) -> float:
@@ -94,7 +125,8 @@ def chi_square(counts: Counter, expected: dict, n: int) -> tuple[float, int]:
     return stat, df
 
 
-def test_sampled_outputs_follow_the_target_distribution(tiny_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_outputs_follow_the_target_distribution(tiny_path, method):
     """A 4-token vocabulary (the runner samples from the first 4 logits): the exact
     probability of every 3-token continuation against sampling with n-gram drafts."""
     vocab = 4
@@ -110,7 +142,7 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_path):
                 for seq in itertools.product(range(vocab), repeat=3)}
     assert abs(sum(expected.values()) - 1) < 1e-4
 
-    llm = _llm(tiny_path, spec=True, num_kv_blocks=512, max_num_seqs=64,
+    llm = _llm(tiny_path, spec=method, num_kv_blocks=512, max_num_seqs=64,
                speculative_max_batch=64, check_invariants=False)
     llm.engine.runner.sample_vocab_size = vocab
     n = 2000
@@ -123,8 +155,9 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_path):
     assert stat < _chi2_critical(df), (stat, df, counts.most_common(8))
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(tiny_path):
-    llm = _llm(tiny_path, spec=True)
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_path, method):
+    llm = _llm(tiny_path, spec=method)
     p = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
     alone = llm.generate([PROMPTS[1]], p)[0].outputs[0].token_ids
     others = [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 3

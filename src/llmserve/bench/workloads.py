@@ -17,6 +17,9 @@ Workloads:
   generator sends turn k only after turn k-1 finished.
 * ``extractive``: long passages with an instruction to repeat, correct or reformat them
   (bench/extractive.py); the output length is the passage's, so ``output_len`` is unused.
+* ``agent-edit``: a Python file to return with one function renamed, or a JSON tool result
+  to echo with one field changed, alternating (bench/agent_edit.py); the output length is
+  the file's or the JSON's, so ``output_len`` is unused.
 * ``json-schema``: ``random`` prompts whose requests carry a JSON schema
   (``structured_outputs.json``, accepted on both endpoints) (an object holding an unbounded array of records), so every token is sampled
   under a grammar mask; the schema never forces the output to end, so ``ignore_eos``
@@ -53,7 +56,7 @@ from typing import Optional, Protocol
 logger = logging.getLogger(__name__)
 
 WORKLOADS = ("random", "shared-prefix", "chat", "multi-turn", "json-schema", "json-validity",
-             "jsonl", "extractive")
+             "jsonl", "extractive", "agent-edit")
 
 #: Request settings a workload needs, used where the user did not set them (the CLI's
 #: --endpoint, --temperature, --no-ignore-eos); the rest get "completions", 0.0 and True.
@@ -388,6 +391,10 @@ def build_workload(name: str, tokenizer: TextTokenizer, *, num_prompts: int, inp
         from llmserve.bench.extractive import extractive_workload
 
         return extractive_workload(tokenizer, num_prompts, input_len, seed)
+    if name == "agent-edit":
+        from llmserve.bench.agent_edit import agent_edit_workload
+
+        return agent_edit_workload(tokenizer, num_prompts, input_len, seed)
     if name == "json-schema":
         specs = random_workload(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
         for s in specs:

@@ -164,11 +164,13 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        started = self.scheduler.clock()
         result, failures = self._execute_isolated(sched)
+        seconds = None if failures else self.scheduler.clock() - started
         updates = self._settle_failures(failures) if failures else []
         self.scheduler.on_step_done(sched)
         if self.spec is not None:
-            self.spec.on_step_done(sched, result, self.kv, sched.step)
+            self.spec.on_step_done(sched, result, self.kv, sched.step, seconds)
         requests = self.scheduler.requests
         for rid, (first, entries) in (result.prompt_logprobs or {}).items():
             req = requests.get(rid)

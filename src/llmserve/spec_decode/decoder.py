@@ -12,9 +12,13 @@ KV blocks that only rejected drafts used (`KVCacheManager.trim`) and updates sta
 
 Adaptive k, per request: an exponential moving average of the acceptance rate scales the
 request's k down from ``num_speculative_tokens``; under ``min_acceptance`` the request
-stops speculating for a back-off that doubles each time (4 .. 256 steps). Speculation is
-off for the whole step while more than ``max_batch`` sequences run: there a step is no
-longer bound by reading the weights, and verifying rejected drafts costs throughput.
+stops speculating for a back-off that doubles each time (4 .. 256 steps).
+
+Adaptive, per step (spec_decode/cost_model.py): the engine's decode-step times are
+measured per row count, and drafts go to the requests most likely to have them accepted
+only while the step's expected tokens per second still grow; at a large batch, where a
+step is bound by compute, drafts that will mostly be rejected are not verified at all.
+Speculation is also off while more than ``max_batch`` sequences run.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Optional, Sequence
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.spec_decode.config import SpecDecodeConfig
+from llmserve.spec_decode.cost_model import DraftCandidate, StepCostModel, plan_drafts
 from llmserve.spec_decode.proposers import NgramIndex, NgramProposer, PredictionState, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
@@ -95,6 +100,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.predictor = NgramProposer(config.ngram_min, config.ngram_max, use_history=False)
         self.stats = SpecDecodeStats()
+        self.costs = StepCostModel()
         self._predicted: set[str] = set()    # live requests that bring a prediction
         self._drafted: list[Request] = []    # requests given drafts by the last propose
 
@@ -129,6 +135,7 @@ class SpeculativeDecoder:
         plain_k: list[int] = []
         predicted: list[Request] = []
         predicted_k: list[int] = []
+        wanted: list[tuple[Request, SpecState, int]] = []
         for req in running:
             if (req.num_tokens - req.num_computed_tokens != 1 or _constrained(req)
                     or req.is_embedding):   # prefill only: never decodes
@@ -139,8 +146,11 @@ class SpeculativeDecoder:
                     continue
                 state = req.spec_state = SpecState()
             k = self._num_drafts(req, state, step)
-            if k <= 0:
-                continue
+            if k > 0:
+                wanted.append((req, state, k))
+        if wanted and self.config.adaptive and not self.costs.explores(step):
+            wanted = self._plan(wanted, len(running))
+        for req, state, k in wanted:
             if state.prediction is not None:
                 predicted.append(req)
                 predicted_k.append(k)
@@ -158,6 +168,16 @@ class SpeculativeDecoder:
         if plain:
             for req, k, prop in zip(plain, plain_k, self.proposer.propose(plain, plain_k)):
                 self._set(req, prop, k)
+
+    def _plan(self, wanted: list[tuple[Request, SpecState, int]], num_running: int
+              ) -> list[tuple[Request, SpecState, int]]:
+        """The drafts that pay at this batch size (cost model); a request that brought a
+        prediction keeps its drafts (its client asked for them)."""
+        fixed = [w for w in wanted if w[1].prediction is not None]
+        free = [w for w in wanted if w[1].prediction is None]
+        planned = plan_drafts(self.costs, num_running + sum(k for _, _, k in fixed),
+                              [DraftCandidate(k, min(1.0, st.ema)) for _, st, k in free])
+        return fixed + [(r, st, k) for (r, st, _), k in zip(free, planned) if k > 0]
 
     def _set(self, req: Request, prop: Proposal, k: int) -> None:
         self._drafted.append(req)
@@ -178,9 +198,14 @@ class SpeculativeDecoder:
         return min(k, req.max_total_tokens - req.num_tokens - 1)
 
     # ---- after the step --------------------------------------------------------------
-    def on_step_done(self, sched, result, kv: KVCacheManager, step: int) -> None:
+    def on_step_done(self, sched, result, kv: KVCacheManager, step: int,
+                     seconds: Optional[float] = None) -> None:
         """Settle the verified drafts of a step (``sched``: SchedulerOutput, ``result``:
-        StepOutput) before its tokens are appended."""
+        StepOutput) before its tokens are appended; ``seconds``: how long the runner
+        took, recorded for decode-only steps (the cost model)."""
+        if seconds is not None and self.active and all(
+                s.num_new_tokens - s.num_draft_tokens == 1 for s in sched.scheduled):
+            self.costs.record(sched.num_batched_tokens, seconds)
         drafted = [s for s in sched.scheduled if s.num_draft_tokens]
         if not drafted:
             return

@@ -1,6 +1,7 @@
 """Wires speculative decoding into an engine from its EngineConfig.
 
 ``--speculative-method ngram`` drafts by prompt lookup (spec_decode/proposers.py);
+``suffix`` by suffix decoding (spec_decode/suffix_proposer.py);
 ``draft`` runs a second, smaller model (spec_decode/draft_model.py, imported only then).
 Without a method the engine still speculates for requests that bring a predicted output
 (OpenAI Predicted Outputs), so a `SpeculativeDecoder` is always built.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from llmserve.config import EngineConfig
 from llmserve.spec_decode.decoder import SpeculativeDecoder
 from llmserve.spec_decode.proposers import NgramProposer
+from llmserve.spec_decode.suffix_proposer import SuffixProposer
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,9 @@ def build_speculation(config: EngineConfig, target: TargetModel) -> SpeculativeD
     proposer = None
     if config.speculative.method == "ngram":
         proposer = NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
+    elif config.speculative.method == "suffix":
+        proposer = SuffixProposer(spec_cfg.suffix_max_depth, spec_cfg.suffix_min_confidence,
+                                  spec_cfg.suffix_cache_max_nodes)
     elif config.speculative.method == "draft":
         from llmserve.spec_decode.draft_model import DraftModelProposer
 

@@ -1,0 +1,69 @@
+"""The speculation cost model (no torch): step times by row count, interpolated and
+extrapolated; drafts planned only while they raise the step's expected tokens per second;
+in the engine, speculation that stays on where steps are weight-bound and goes off where
+every row costs."""
+from __future__ import annotations
+
+import pytest
+
+from llmserve.spec_decode.cost_model import DraftCandidate, StepCostModel, plan_drafts
+from tests.engine.conftest import Clock
+from tests.spec_decode.test_spec_decode_engine import PROMPTS, req, run, spec_core
+
+
+def test_cost_is_measured_interpolated_and_extrapolated():
+    m = StepCostModel()
+    assert m.cost(4) is None
+    m.record(4, 0.010)
+    assert m.cost(1) == m.cost(40) == 0.010          # one point: flat
+    m.record(8, 0.020)
+    assert m.cost(6) == pytest.approx(0.015)
+    assert m.cost(16) == pytest.approx(0.040)        # the slope of the two nearest
+    assert m.cost(2) == pytest.approx(0.005)
+    m.record(8, 0.040)                               # a moving average, not the last value
+    assert 0.020 < m.cost(8) < 0.040
+    m2 = StepCostModel()
+    m2.record(2, 0.02)
+    m2.record(4, 0.01)                               # noise: never a falling cost
+    assert m2.cost(9) == pytest.approx(0.01)
+    assert m2.cost(1) >= 0.25 * 0.02
+
+
+def test_plan_keeps_drafts_where_rows_are_cheap_and_drops_them_where_they_cost():
+    cheap, dear = StepCostModel(), StepCostModel()
+    for rows in (1, 8, 16, 48):
+        cheap.record(rows, 0.010 + 0.0001 * rows)    # bound by reading the weights
+        dear.record(rows, 0.001 * rows)              # bound by compute
+    cands = [DraftCandidate(4, 0.9), DraftCandidate(4, 0.25), DraftCandidate(4, 0.05)]
+    # drafts accepted 5% of the time do not pay even there
+    assert plan_drafts(cheap, 8, cands) == [4, 4, 0]
+    # every row costs as much as a token: only drafts accepted nearly always pay
+    assert plan_drafts(dear, 8, cands) == [0, 0, 0]
+    assert plan_drafts(dear, 8, [DraftCandidate(4, 1.0)]) == [0]
+    mixed = StepCostModel()
+    for rows in (8, 12, 16, 40):
+        mixed.record(rows, 0.010 if rows <= 12 else 0.0009 * rows)
+    # four rows are nearly free above 8, more are not: the best candidate gets them
+    assert plan_drafts(mixed, 8, cands)[0] == 4 and plan_drafts(mixed, 8, cands)[2] == 0
+    assert plan_drafts(StepCostModel(), 8, cands) == [4, 4, 4]   # nothing measured yet
+
+
+@pytest.mark.parametrize("fixed, per_row, drafted", [(0.01, 0.0005, True), (0.0, 0.02, False)])
+def test_engine_speculates_only_where_its_steps_say_it_pays(fixed, per_row, drafted):
+    clock = Clock()
+    core = spec_core(clock=clock)
+    core.spec.costs.explore_every = 0
+    execute = core.runner.execute
+
+    def timed(step):   # a step of R rows takes fixed + per_row * R seconds
+        clock.t += fixed + per_row * sum(step.num_new_tokens)
+        return execute(step)
+
+    core.runner.execute = timed
+    ref = run(spec_core(), [req(f"r{i}", p, max_tokens=40) for i, p in enumerate(PROMPTS)])
+    got = run(core, [req(f"r{i}", p, max_tokens=40) for i, p in enumerate(PROMPTS)])
+    assert got == ref
+    assert core.spec.costs.num_measured > 1
+    late = [s.num_draft_tokens for sch in core.schedules[len(core.schedules) // 2:]
+            for s in sch.scheduled]
+    assert (sum(late) > 0) == drafted, late
