@@ -16,8 +16,15 @@ from typing import Any, AsyncGenerator, Callable, Optional
 
 import httpx
 
-from llmserve.protocol import EngineStats, RequestFailedError, RequestOutput
-from llmserve.router.wire import WIRE_VERSION, output_from_dict, params_to_dict, stats_from_dict, tokenizer_from_dict
+from llmserve.protocol import EngineStats, RequestOutput
+from llmserve.router.wire import (
+    WIRE_VERSION,
+    error_from_event,
+    output_from_dict,
+    params_to_dict,
+    stats_from_dict,
+    tokenizer_from_dict,
+)
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,10 +161,5 @@ class ReplicaClient:
 
 
 def _error_from_event(err: dict, base_url: str) -> BaseException:
-    kind, message = err.get("kind"), str(err.get("message", "engine error"))
-    if kind == "invalid":
-        return ValueError(message)
-    if kind == "request_failed":
-        return RequestFailedError(message, error_id=str(err.get("error_id", "")),
-                                  input_error=bool(err.get("input_error")))
-    return ReplicaUnavailable(f"replica {base_url}: {message}")
+    return error_from_event(err, ReplicaUnavailable(
+        f"replica {base_url}: {err.get('message', 'engine error')}"))

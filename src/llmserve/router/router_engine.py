@@ -24,7 +24,7 @@ from llmserve.router.policy import RoutingConfig, affinity_key, choose_replica
 from llmserve.router.replica_client import ReplicaClient, ReplicaUnavailable
 from llmserve.router.replica_header import note_replica
 from llmserve.router.replica_set import Replica, ReplicaSet
-from llmserve.router.wire import sum_stats
+from llmserve.router.wire import CutShortOutputs, sum_stats
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class RouterEngine:
         self.max_retries = max_retries
         self._rr = itertools.count()
         self._where: dict[str, Replica] = {}   # caller's request id -> replica serving it
-        self._cut_short: dict[str, Optional[RequestOutput]] = {}  # final outputs of streams
+        self._cut_short = CutShortOutputs()  # final outputs of streams cut short
         # closed before they finished, until the caller's abort() collects them
 
     @classmethod
@@ -167,9 +167,7 @@ class RouterEngine:
             final = await asyncio.wait_for(replica.client.abort(request_id), 10.0)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             final = None
-        self._cut_short[request_id] = final
-        while len(self._cut_short) > 4096:
-            self._cut_short.pop(next(iter(self._cut_short)))
+        self._cut_short.keep(request_id, final)
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort on the replica serving ``request_id``; its final output, or None."""

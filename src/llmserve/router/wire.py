@@ -211,3 +211,36 @@ def tokenizer_from_dict(data: dict[str, Any]) -> Any:
 def encode_line(event: dict[str, Any]) -> bytes:
     """One newline-delimited JSON event of a generate stream."""
     return (json.dumps(event, separators=(",", ":")) + "\n").encode()
+
+
+def error_from_event(err: dict[str, Any], lost: BaseException) -> BaseException:
+    """The exception an engine's ``error`` event stands for: a ValueError (invalid
+    request), a RequestFailedError (this request failed, the engine lives on), else
+    ``lost`` (the replica is gone or broken: the caller may retry elsewhere)."""
+    kind, message = err.get("kind"), str(err.get("message", "engine error"))
+    if kind == "invalid":
+        return ValueError(message)
+    if kind == "request_failed":
+        return RequestFailedError(message, error_id=str(err.get("error_id", "")),
+                                  input_error=bool(err.get("input_error")))
+    return lost
+
+
+class CutShortOutputs:
+    """Final outputs of streams whose caller went away, kept (a bounded number, oldest
+    dropped first) for the caller's ``abort``, which bills from them."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._outputs: dict[str, Optional[RequestOutput]] = {}
+
+    def keep(self, request_id: str, final: Optional[RequestOutput]) -> None:
+        self._outputs[request_id] = final
+        while len(self._outputs) > self.limit:
+            self._outputs.pop(next(iter(self._outputs)))
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._outputs
+
+    def pop(self, request_id: str) -> Optional[RequestOutput]:
+        return self._outputs.pop(request_id)

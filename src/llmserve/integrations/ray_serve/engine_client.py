@@ -22,10 +22,12 @@ import asyncio
 import logging
 from typing import Any, AsyncGenerator, AsyncIterator, Optional, Sequence, Union
 
-from llmserve.protocol import EngineStats, RequestFailedError, RequestOutput
+from llmserve.protocol import EngineStats, RequestOutput
 from llmserve.router.policy import RoutingConfig, affinity_key
 from llmserve.router.replica_header import note_replica
 from llmserve.router.wire import (
+    CutShortOutputs,
+    error_from_event,
     output_from_dict,
     params_to_dict,
     stats_from_dict,
@@ -49,13 +51,8 @@ class ReplicaLost(RuntimeError):
 
 
 def _error_from_event(err: dict[str, Any], replica: str) -> BaseException:
-    kind, message = err.get("kind"), str(err.get("message", "engine error"))
-    if kind == "invalid":
-        return ValueError(message)
-    if kind == "request_failed":
-        return RequestFailedError(message, error_id=str(err.get("error_id", "")),
-                                  input_error=bool(err.get("input_error")))
-    return ReplicaLost(f"replica {replica}: {message}")
+    return error_from_event(err, ReplicaLost(
+        f"replica {replica}: {err.get('message', 'engine error')}"))
 
 
 def _replica_errors() -> tuple[type[BaseException], ...]:
@@ -84,7 +81,7 @@ class RayEngineClient:
         self._abort_timeout_s = abort_timeout_s
         self.max_retries = max_retries
         self._where: dict[str, str] = {}   # caller's request id -> replica serving it
-        self._cut_short: dict[str, Optional[RequestOutput]] = {}
+        self._cut_short = CutShortOutputs()  # final outputs of streams cut short
 
     @classmethod
     async def connect(cls, handle: Any, routing: RoutingConfig, *, num_replicas: int = 1,
@@ -195,9 +192,7 @@ class RayEngineClient:
             final = await self._abort_on(replica, request_id)
         except asyncio.CancelledError:
             final = None
-        self._cut_short[request_id] = final
-        while len(self._cut_short) > 4096:
-            self._cut_short.pop(next(iter(self._cut_short)))
+        self._cut_short.keep(request_id, final)
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort on the replica serving ``request_id``; its final output, or None."""
