@@ -222,7 +222,7 @@ def create_app(
                     max(sizes) if len(sizes) == len(vocab) else None,
                     prompt_bundles=gateway is not None and gateway.resolves_prompt_bundles,
                     fill_in_the_middle=all(has_fim_tokens(e.tokenizer) for e in distinct),
-                    reasoning=all(serving.reasoning_parser(e) is not None for e in distinct))
+                    reasoning=all(serving.formats.reasoning_parser(e) is not None for e in distinct))
     return app
 
 

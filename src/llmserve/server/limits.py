@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, Sized
 
+from llmserve.contract.engine_client import TokenizerLike
 from llmserve.contract.errors import OpenAIError, bad_request
 
 #: Most choices (prompts x n) one request may ask for.
@@ -135,11 +136,11 @@ def _check_completion(req: Any, limits: RequestLimits) -> None:
                           code="prompt_too_large")
 
 
-def check_token_ids(tokenizer: Any, ids: Sequence[int], where: str, param: str) -> None:
+def check_token_ids(tokenizer: TokenizerLike, ids: Sequence[int], where: str, param: str) -> None:
     """A 400 naming ``where`` when an id of ``ids`` lies outside ``tokenizer``'s vocabulary
     (``vocab_size``, else its length; only negative ids are refused when it has neither)."""
     vocab = getattr(tokenizer, "vocab_size", None)
-    if not isinstance(vocab, int) and hasattr(tokenizer, "__len__"):
+    if not isinstance(vocab, int) and isinstance(tokenizer, Sized):
         vocab = len(tokenizer)   # a tokenizer without vocab_size
     for t in ids:
         if t < 0 or (isinstance(vocab, int) and t >= vocab):

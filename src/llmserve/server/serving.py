@@ -33,6 +33,7 @@ from llmserve.server.generation import GenerationRun
 from llmserve.server.headers import unsendable_header
 from llmserve.server.limits import DEFAULT_LIMITS, RequestLimits, check_token_ids
 from llmserve.server.metrics.prometheus import RequestTimer, ServerMetrics
+from llmserve.server.model_formats import ModelFormats
 from llmserve.server.protocol.openai import (
     MAX_CHOICES_PER_REQUEST,
     ChatCompletionRequest,
@@ -42,12 +43,10 @@ from llmserve.server.protocol.openai import (
 )
 from llmserve.server.protocol.response_shaping import ResponseOptions, fim_prompt
 from llmserve.server.protocol.responses import ResponseHeader
-from llmserve.server.reasoning.parsers import REASONING_PARSERS, ReasoningParser, reasoning_parser, thinking_budget
 from llmserve.server.sampling_defaults import apply_sampling_defaults
 from llmserve.server.stream.sse import ClientDisconnected, EventStreamResponse, replay_response, run_until_disconnect
 from llmserve.server.stream.streaming import SERVED_BY_HEADER, chat_body, completion_body, stream_events
 from llmserve.tokenizer.chat_prompt import chat_prompt_tokens
-from llmserve.tool_parsers import ToolParser, get_parser, resolve_parser
 
 logger = logging.getLogger(__name__)
 
@@ -113,42 +112,11 @@ class OpenAIServing:
         self.input_limits = input_limits
         self._inflight: set[str] = set()
         self.tokenizer_pool = FairThreadPool(self.limits.tokenizer_threads)
-        if tool_call_parser != "auto":
-            get_parser(tool_call_parser)   # ValueError for an unknown name
-        self.tool_call_parser = tool_call_parser
-        self._tool_parsers: dict[Optional[str], ToolParser] = {}   # chat template -> parser
-        if reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
-                             f"got {reasoning_parser!r}")
-        self.reasoning_parser_name = reasoning_parser
-        self._reasoning: dict[Optional[str], Optional[ReasoningParser]] = {}
+        #: each served model's tool-call format and reasoning parser
+        self.formats = ModelFormats(tool_call_parser, reasoning_parser)
         for name, eng in self.engines.items():   # logged once per template at start-up
-            self.tool_parser(eng, name)
-            self.reasoning_parser(eng, name)
-
-    def reasoning_parser(self, engine: EngineClient, name: str = "") -> Optional[ReasoningParser]:
-        """How ``engine``'s model marks its reasoning: ``--reasoning-parser``, or (auto)
-        from its chat template; None when it does not reason."""
-        template = getattr(engine.tokenizer, "chat_template", None)
-        template = template if isinstance(template, str) else None
-        if template not in self._reasoning:
-            parser = reasoning_parser(self.reasoning_parser_name, template)
-            self._reasoning[template] = parser
-            logger.info("model %s: reasoning parser %s", name or getattr(engine, "model_name", ""),
-                        parser.name if parser is not None else "none")
-        return self._reasoning[template]
-
-    def tool_parser(self, engine: EngineClient, name: str = "") -> ToolParser:
-        """The tool-call format of ``engine``'s model: ``--tool-call-parser``, or (auto)
-        the one its chat template names."""
-        template = getattr(engine.tokenizer, "chat_template", None)
-        template = template if isinstance(template, str) else None
-        parser = self._tool_parsers.get(template)
-        if parser is None:
-            parser = resolve_parser(self.tool_call_parser, template,
-                                    name or getattr(engine, "model_name", ""))
-            self._tool_parsers[template] = parser
-        return parser
+            self.formats.tool_parser(eng, name)
+            self.formats.reasoning_parser(eng, name)
 
     def close(self) -> None:
         """Stop the tokenizer threads."""
@@ -174,7 +142,7 @@ class OpenAIServing:
     def _chat_prompt(self, engine: EngineClient, messages: list[dict[str, Any]],
                      tools: Optional[list[dict]] = None) -> list[int]:
         return chat_prompt_tokens(engine.tokenizer, messages, True, tools,
-                                  self.tool_parser(engine))
+                                  self.formats.tool_parser(engine))
 
     def _text_prompts(self, engine: EngineClient, prompts: list[Union[str, list[int]]],
                       suffix: Optional[str] = None) -> list[list[int]]:
@@ -330,8 +298,8 @@ class OpenAIServing:
                               "served", code="internal_error")
         apply_sampling_defaults(req, ctx.sampling_defaults)
         if chat:
-            req.use_tool_parser(self.tool_parser(engine))
-            req.use_reasoning_parser(self.reasoning_parser(engine))
+            req.use_tool_parser(self.formats.tool_parser(engine))
+            req.use_reasoning_parser(self.formats.reasoning_parser(engine))
         requested, max_field = req.requested_max_tokens
         num_logprobs = req.num_logprobs if chat else req.logprobs
         params = make_sampling_params(req, requested, max_field, num_logprobs, chat=chat)
@@ -354,7 +322,8 @@ class OpenAIServing:
             except ValueError as exc:
                 raise bad_request(f"Invalid messages: {exc}", param="messages") from None
             what = "messages"
-            params = self._with_thinking_budget(req, params, engine)
+            params = self.formats.with_thinking_budget(req.thinking_budget, params,
+                                                       engine)
         else:
             prompts = await self.in_thread(ctx, self._text_prompts, engine, req.prompt_list(),
                                             req.suffix)
@@ -379,24 +348,6 @@ class OpenAIServing:
                 raise err from None
         ctx.sampling_params = params
         return req, prompts, params, max_tokens
-
-    def _with_thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams,
-                              engine: EngineClient) -> SamplingParams:
-        """``params`` with the request's ``thinking_budget`` (400 when the model does not
-        reason, or a grammar shapes the output)."""
-        if req.thinking_budget is None:
-            return params
-        parser = self.reasoning_parser(engine)
-        if parser is None:
-            raise bad_request("thinking_budget needs a reasoning model; this model has no "
-                              "reasoning parser (see --reasoning-parser)",
-                              param="thinking_budget")
-        if params.structured_output is not None:
-            raise bad_request("thinking_budget cannot be combined with response_format, "
-                              "structured_outputs or a required/named tool_choice",
-                              param="thinking_budget", code=INCOMPATIBLE_PARAMETERS)
-        return dataclasses.replace(params, reasoning_budget=thinking_budget(
-            parser, engine.tokenizer, int(req.thinking_budget)))
 
     async def _run(self, request: Request, ctx: RequestContext, prompts: list[list[int]],
                    params: SamplingParams, engine_ids: list[str], served: str,

@@ -140,7 +140,7 @@ class TokenizerEndpoints:
         if isinstance(req, TokenizeChatRequest):
             ids = await self.run_in_pool(key, chat_token_ids, tok, req.messages,
                                          req.add_generation_prompt, req.tools,
-                                         self.serving.tool_parser(engine))
+                                         self.serving.formats.tool_parser(engine))
         else:
             ids = await self.run_in_pool(key, _text_ids, tok, req.prompt,
                                          req.add_special_tokens)

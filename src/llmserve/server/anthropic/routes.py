@@ -57,7 +57,7 @@ class MessagesEndpoints:
         try:
             await self.tokenizers.authenticate(with_body(request, b""), "messages")
             req: MessagesRequest = parse_json_body(MessagesRequest, await self.tokenizers.read_body(request))
-            reasons = self.serving.reasoning_parser(self.tokenizers.resolve(req.model)) \
+            reasons = self.serving.formats.reasoning_parser(self.tokenizers.resolve(req.model)) \
                 is not None
             body = json.dumps(chat_body(req, reasons), ensure_ascii=False).encode("utf-8")
             response = await self.serving.handle(with_body(request, body), chat=True)
@@ -89,11 +89,11 @@ class MessagesEndpoints:
             ctx = await self.tokenizers.authenticate(with_body(request, b""), "count_tokens")
             req: CountTokensRequest = parse_json_body(CountTokensRequest, await self.tokenizers.read_body(request))
             engine = self.tokenizers.resolve(req.model)
-            check_thinking(req.thinking, self.serving.reasoning_parser(engine) is not None)
+            check_thinking(req.thinking, self.serving.formats.reasoning_parser(engine) is not None)
             ids = await self.tokenizers.run_in_pool(
                 ctx.tenant or ctx.client or "", chat_token_ids, engine.tokenizer,
                 chat_messages(req), True, chat_tools(req).get("tools"),
-                self.serving.tool_parser(engine))
+                self.serving.formats.tool_parser(engine))
         except OpenAIError as err:
             raise AnthropicError.of(err) from None
         except Exception as exc:  # noqa: BLE001 - Anthropic's shape for the catch-all 500

@@ -90,7 +90,7 @@ class ResponsesEndpoints:
                 raise not_found(req.previous_response_id, "previous_response_id")
             history = previous.conversation
         new_messages = input_messages(req.input)
-        reasons = self.serving.reasoning_parser(self.tokenizers.resolve(req.model)) is not None
+        reasons = self.serving.formats.reasoning_parser(self.tokenizers.resolve(req.model)) is not None
         body = json.dumps(chat_body(req, history, new_messages, reasons), ensure_ascii=False)
         response = await self.serving.handle(with_body(request, body.encode("utf-8")),
                                              chat=True)
