@@ -29,7 +29,6 @@ class RouterCollector(Collector):
         self._set = replica_set
 
     def collect(self) -> Iterator[Any]:
-        from llmserve.server.metrics.prometheus import EngineStatsCollector
 
         decisions = CounterMetricFamily("llmserve_router_decisions",
                                         "Requests routed to a replica, by decision",
@@ -63,13 +62,21 @@ class RouterCollector(Collector):
             readmissions.add_metric([name], readmitted)
             admitted.add_metric([name], 1.0 if ok else 0.0)
             outstanding.add_metric([name], tokens)
-            for kind, metric, doc, value in EngineStatsCollector._samples(stats):
-                metric = metric.replace("llmserve_", "llmserve_replica_", 1)
-                family = per_replica.get(metric)
-                if family is None:
-                    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-                    family = per_replica[metric] = cls(metric, doc + " (one replica)",
-                                                       labels=("replica",))
-                family.add_metric([name], value)
+            add_replica_samples(per_replica, name, stats)
         yield from (decisions, retries, ejections, readmissions, admitted, outstanding)
         yield from per_replica.values()
+
+
+def add_replica_samples(families: dict[str, Any], replica: str, stats: Any) -> None:
+    """Add one replica's engine stats to ``families`` as ``llmserve_replica_*`` series
+    labelled ``replica`` (one family per metric, made on first use)."""
+    from llmserve.server.metrics.prometheus import EngineStatsCollector
+
+    for kind, metric, doc, value in EngineStatsCollector._samples(stats):  # noqa: SLF001
+        metric = metric.replace("llmserve_", "llmserve_replica_", 1)
+        family = families.get(metric)
+        if family is None:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = families[metric] = cls(metric, doc + " (one replica)",
+                                            labels=("replica",))
+        family.add_metric([replica], value)

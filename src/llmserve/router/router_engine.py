@@ -14,7 +14,6 @@ counters are exported by :mod:`llmserve.router.metrics`.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 from typing import Any, AsyncIterator, Optional, Sequence
@@ -163,11 +162,8 @@ class RouterEngine:
     async def _abort_cut_short(self, replica: Replica, request_id: str) -> None:
         """Abort a request whose caller went away and keep its final output (its KV is
         free by then) for the caller's :meth:`abort`, which bills from it."""
-        try:
-            final = await asyncio.wait_for(replica.client.abort(request_id), 10.0)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            final = None
-        self._cut_short.keep(request_id, final)
+        await self._cut_short.abort_and_keep(request_id, replica.client.abort(request_id),
+                                             10.0)
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort on the replica serving ``request_id``; its final output, or None."""

@@ -13,9 +13,10 @@ dataclass) are converted explicitly.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Awaitable, Optional, Sequence, cast
 
 from llmserve.protocol import (
     CompletionOutput,
@@ -233,6 +234,17 @@ class CutShortOutputs:
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
         self._outputs: dict[str, Optional[RequestOutput]] = {}
+
+    async def abort_and_keep(self, request_id: str,
+                             abort: Awaitable[Optional[RequestOutput]],
+                             timeout_s: Optional[float] = None) -> None:
+        """Await a replica's ``abort`` of a stream cut short and keep its final output
+        (None when the abort timed out or was cancelled)."""
+        try:
+            final = await asyncio.wait_for(abort, timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            final = None
+        self.keep(request_id, final)
 
     def keep(self, request_id: str, final: Optional[RequestOutput]) -> None:
         self._outputs[request_id] = final

@@ -216,6 +216,26 @@ class OpenAIServing:
             raise
         return ctx, state.get("arrival_monotonic", time.monotonic())
 
+    @staticmethod
+    def response_headers(ctx: RequestContext, served: str) -> dict[str, str]:
+        """The response's headers (the served model, the gateway's); a 500 before anything
+        runs, is billed or stored when one of them cannot be sent."""
+        headers = {SERVED_BY_HEADER: served, **ctx.response_headers}
+        bad_header = unsendable_header(headers)
+        if bad_header is not None:
+            raise OpenAIError(500, f"the response header {bad_header} cannot be sent",
+                              code="internal_error")
+        return headers
+
+    async def refused(self, ctx: RequestContext, exc: BaseException,
+                      engine_ids: list[str]) -> None:
+        """A request that failed before it ran: its engine ids released, an error answer
+        counted, the gateway's ``on_reject`` told."""
+        self.release_ids(engine_ids)
+        if isinstance(exc, OpenAIError):
+            self.metrics.admission.count_rejected(exc.status, exc.code)
+        await notify(self.gateway, "on_reject", ctx, exc)
+
     async def handle(self, request: Request, *, chat: bool) -> Any:
         """Serve one chat or text completion request."""
         state = request.scope.setdefault("state", {})
@@ -239,16 +259,9 @@ class OpenAIServing:
             if served not in self.engines:
                 raise OpenAIError(500, f"the gateway chose model {served!r}, which is not served",
                                   code="internal_error")
-            headers = {SERVED_BY_HEADER: served, **ctx.response_headers}
-            bad_header = unsendable_header(headers)
-            if bad_header is not None:   # refused before anything runs, is billed or stored
-                raise OpenAIError(500, f"the response header {bad_header} cannot be sent",
-                                  code="internal_error")
+            headers = self.response_headers(ctx, served)
         except BaseException as exc:
-            self.release_ids(engine_ids)
-            if isinstance(exc, OpenAIError):
-                self.metrics.admission.count_rejected(exc.status, exc.code)
-            await notify(self.gateway, "on_reject", ctx, exc)
+            await self.refused(ctx, exc, engine_ids)
             raise
         return await self._run(request, ctx, prompts, params, engine_ids, served, headers,
                                chat=chat, req=req, arrival=arrival)

@@ -188,11 +188,7 @@ class RayEngineClient:
 
     async def _abort_cut_short(self, replica: str, request_id: str) -> None:
         """Abort a request whose caller went away; keep its final output for abort()."""
-        try:
-            final = await self._abort_on(replica, request_id)
-        except asyncio.CancelledError:
-            final = None
-        self._cut_short.keep(request_id, final)
+        await self._cut_short.abort_and_keep(request_id, self._abort_on(replica, request_id))
 
     async def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Abort on the replica serving ``request_id``; its final output, or None."""

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from llmserve.router.metrics import add_replica_samples
 from llmserve.router.replica_set import DECISIONS
 
 
@@ -23,8 +24,6 @@ class RayReplicaCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         from llmserve.integrations.ray_serve.router_registry import router_decisions
-        from llmserve.server.metrics.prometheus import EngineStatsCollector
-
         handle = self._client._handle  # noqa: SLF001 - the deployment this client routes to
         decisions = CounterMetricFamily("llmserve_router_decisions",
                                         "Requests routed to a replica, by decision",
@@ -36,12 +35,5 @@ class RayReplicaCollector(Collector):
         yield decisions
         families: dict[str, Any] = {}
         for name, stats in sorted(self._client.replica_stats().items()):
-            for kind, metric, doc, value in EngineStatsCollector._samples(stats):  # noqa: SLF001
-                metric = metric.replace("llmserve_", "llmserve_replica_", 1)
-                family = families.get(metric)
-                if family is None:
-                    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-                    family = families[metric] = cls(metric, doc + " (one replica)",
-                                                    labels=("replica",))
-                family.add_metric([name], value)
+            add_replica_samples(families, name, stats)
         yield from families.values()

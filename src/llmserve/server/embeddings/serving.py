@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from llmserve.contract.engine_client import EmbeddingEngine, EngineClient
 from llmserve.contract.errors import OpenAIError, bad_request
-from llmserve.contract.gateway_hook import CapturedResponse, OutcomeStatus, RequestContext, call_hook, notify
+from llmserve.contract.gateway_hook import CapturedResponse, OutcomeStatus, RequestContext, call_hook
 from llmserve.contract.server_limits import PARSE_INLINE_BYTES
 from llmserve.pooling_params import PoolingParams
 from llmserve.protocol import FinishReason
@@ -27,14 +27,12 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.embeddings.request import INPUT_HINT, EmbeddingRequest, embeddings_body
 from llmserve.server.errors import validation_error_to_openai
 from llmserve.server.generation import GenerationRun
-from llmserve.server.headers import unsendable_header
 from llmserve.server.limits import check_token_ids
 from llmserve.server.metrics.prometheus import RequestTimer
 from llmserve.server.protocol.openai import body_text
 from llmserve.server.protocol.responses import terminal_error
 from llmserve.server.serving import OpenAIServing
 from llmserve.server.stream.sse import ClientDisconnected, replay_response, run_until_disconnect
-from llmserve.server.stream.streaming import SERVED_BY_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -99,16 +97,9 @@ class EmbeddingsEndpoint:
             if not isinstance(engine, EmbeddingEngine):
                 raise OpenAIError(500, f"the gateway chose model {served!r}, which does not "
                                   "serve embeddings", code="internal_error")
-            headers = {SERVED_BY_HEADER: served, **ctx.response_headers}
-            bad_header = unsendable_header(headers)
-            if bad_header is not None:
-                raise OpenAIError(500, f"the response header {bad_header} cannot be sent",
-                                  code="internal_error")
+            headers = serving.response_headers(ctx, served)
         except BaseException as exc:
-            serving.release_ids(engine_ids)
-            if isinstance(exc, OpenAIError):
-                self.metrics.admission.count_rejected(exc.status, exc.code)
-            await notify(self.gateway, "on_reject", ctx, exc)
+            await serving.refused(ctx, exc, engine_ids)
             raise
         run = GenerationRun(engine, prompts, SamplingParams(max_tokens=1), engine_ids, ctx,
                             self.metrics, RequestTimer(self.metrics, arrival), self.gateway,
