@@ -215,3 +215,37 @@ def test_bf16_activation_kernels_give_the_same_logits_alone_and_in_batches(gguf_
     chunked = engine(path, enable_prefix_caching=False, max_num_batched_tokens=16, **kw)
     got = run(chunked, TARGETS + FILLERS[:4], params)
     assert_same(alone, (got[0][:4], got[1][:4]), f"{case}: chunks of 16 tokens")
+
+
+def test_the_first_norm_sums_a_row_the_same_way_in_every_compiled_graph():
+    """The embedding lookup of a GGUF table (int8 rows, as the default model loads it) and
+    the first RMSNorm, compiled as the runner compiles its steps (a graph for one row, a
+    dynamic one for several): each row's normed values are bit-identical in both. Fused,
+    inductor vectorized the norm across rows in the dynamic graph and summed each row's
+    squares in another order (about 1 row in 20 differed here; on the default model a
+    greedy token flipped after a speculative verify step)."""
+    from llmserve.model.executor.inductor_setup import configure_inductor
+    from llmserve.model.layers.cpu_kernels import stored_rows
+    from llmserve.model.layers.embedding import VocabEmbedding
+    from llmserve.model.layers.norm import RMSNorm
+    from llmserve.model.quant.kernels import Int8Weight, quantize_int8
+
+    configure_inductor()
+    gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    embed = VocabEmbedding(1000, 576, torch.bfloat16, cpu)
+    q, scale = quantize_int8(torch.randn(1000, 576, generator=gen))
+    embed.weight, embed.qweight = None, Int8Weight(q, scale).with_int8_activations()
+    norm = RMSNorm(576, 1e-5, torch.bfloat16, cpu)
+    norm.weight.data.copy_(torch.rand(576, generator=gen) + 0.5)
+
+    def first_norm(ids: torch.Tensor) -> torch.Tensor:
+        return norm(stored_rows(embed(ids)))   # as ModelBase.forward and a layer begin
+
+    torch._dynamo.reset()
+    one, many = torch.compile(first_norm, dynamic=False), torch.compile(first_norm, dynamic=True)
+    ids = torch.randint(0, 1000, (400,), generator=gen)
+    alone = torch.cat([one(ids[i:i + 1]) for i in range(len(ids))])
+    batched = torch.cat([many(ids[i:i + 8]) for i in range(0, len(ids), 8)])
+    differing = (alone != batched).any(-1).sum().item()
+    assert differing == 0, f"{differing} of {len(ids)} rows differ"

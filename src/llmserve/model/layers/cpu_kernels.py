@@ -102,3 +102,31 @@ def packed_linear(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
     shape = x.shape
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, None, "none", [], "")
     return y.view(*shape[:-1], out_features)
+
+
+def _rows_copy_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@cpu_op("rows_copy(Tensor x) -> Tensor", _rows_copy_fake)
+def rows_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that a compiled graph cannot fuse with what reads it (see
+    :func:`stored_rows`)."""
+    return x.clone()
+
+
+def stored_rows(h: torch.Tensor) -> torch.Tensor:
+    """``h`` stored before the next op reads it, inside a compiled CPU graph (as is in eager
+    code and on other devices).
+
+    The first RMSNorm of a compiled step reads the embedding lookup. Fused, its loop reads
+    token ids, which are contiguous in the row index, so inductor vectorizes it across rows:
+    each lane sums its row's squares left to right, while every other norm (and the same
+    norm in a graph with a fixed single row) sums 32 lanes along the row and then across
+    them. A row's variance then depends on the graph that computes it (a batch of one or
+    many, a verify step), and a rounding now and then changes a greedy token. Stored rows
+    give every norm one summation order (tests/model/test_batch_invariance.py).
+    """
+    if torch.compiler.is_compiling() and h.device.type == "cpu":
+        return rows_copy(h)
+    return h
