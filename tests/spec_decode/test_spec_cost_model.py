@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.spec_decode.cost_model import DraftCandidate, StepCostModel, plan_drafts
+from llmserve.spec_decode.cost_model import (
+    DraftCandidate,
+    StepCostModel,
+    expected_accepted,
+    plan_drafts,
+    uniform_draft_length,
+)
 from tests.engine.conftest import Clock
 from tests.spec_decode.test_spec_decode_engine import PROMPTS, req, run, spec_core
 
@@ -67,3 +73,51 @@ def test_engine_speculates_only_where_its_steps_say_it_pays(fixed, per_row, draf
     late = [s.num_draft_tokens for sch in core.schedules[len(core.schedules) // 2:]
             for s in sch.scheduled]
     assert (sum(late) > 0) == drafted, late
+
+
+def test_one_draft_length_for_the_step_where_rows_are_cheap_and_none_where_they_cost():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 5) == 5 and expected_accepted(0.0, 5) == 0
+    cheap, dear = StepCostModel(), StepCostModel()
+    for rows in (4, 8, 16, 32, 64):
+        cheap.record(rows, 0.010 + 0.0001 * rows)
+        dear.record(rows, 0.001 * rows)
+    lengths, acceptances = [7, 3, 0, 5], [0.9, 0.6, 0.0, 0.8]
+    # weight-bound steps: the longest draft pays (its expected tokens outgrow the rows)
+    assert uniform_draft_length(cheap, lengths, acceptances) == 7
+    # compute-bound: every padded row costs as much as a token, so no drafts at all
+    assert uniform_draft_length(dear, lengths, acceptances) == 0
+    assert uniform_draft_length(StepCostModel(), lengths, acceptances) == 7   # unmeasured
+
+
+def test_a_decode_step_gives_every_sequence_the_same_number_of_drafts():
+    """n-gram drafts differ in length from sequence to sequence; in a decode step of
+    several sequences each verifies the same number (cut or filled), so the runner can
+    run it as one compiled verify graph, and the tokens are those of plain decoding."""
+    clock = Clock()
+    core = spec_core(clock=clock)
+    core.spec.costs.explore_every = 0
+    execute = core.runner.execute
+
+    def timed(step):   # weight-bound: rows are nearly free
+        clock.t += 0.01 + 0.0001 * sum(step.num_new_tokens)
+        return execute(step)
+
+    core.runner.execute = timed
+    ref = run(spec_core(), [req(f"r{i}", p, max_tokens=40) for i, p in enumerate(PROMPTS)])
+    got = run(core, [req(f"r{i}", p, max_tokens=40) for i, p in enumerate(PROMPTS)])
+    assert got == ref
+    uneven = evened = 0
+    for sch in core.schedules:
+        rows = sch.scheduled
+        decode_only = all(s.num_new_tokens - s.num_draft_tokens == 1 for s in rows)
+        if not decode_only or len(rows) < 2 or not any(s.num_draft_tokens for s in rows):
+            continue
+        longest = max(s.num_draft_tokens for s in rows)
+        # drafts never pass max_tokens: a sequence with less room than that is short
+        room = [s.request.max_total_tokens - (s.start + 1) - 1 for s in rows]
+        counts = {s.num_draft_tokens for s, r in zip(rows, room) if r >= longest}
+        evened += 1
+        uneven += len(counts) > 1
+    assert evened > 5 and uneven == 0, (evened, uneven)
+    assert core.spec.stats.proposed_tokens > 0

@@ -112,3 +112,31 @@ def plan_drafts(model: StepCostModel, base_rows: int, candidates: Sequence[Draft
                 tokens, rows, seconds = gained, rows + k, cost
                 break
     return ks
+
+
+def expected_accepted(acceptance: float, drafts: int) -> float:
+    """Expected accepted drafts of ``drafts`` when each is accepted with probability
+    ``acceptance`` given the ones before it (a prefix is accepted)."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(drafts) if a >= 1.0 else a * (1 - a ** drafts) / (1 - a)
+
+
+def uniform_draft_length(model: StepCostModel, lengths: Sequence[int],
+                         acceptances: Sequence[float]) -> int:
+    """One draft length ``L`` for every sequence of a decode step (each verifies ``L + 1``
+    rows: longer drafts cut, shorter ones padded), the one whose expected tokens per
+    second are highest; 0 (no drafts) unless drafts raise them by ``MIN_GAIN``. Uniform
+    rows let the step run as one compiled verify graph instead of an eager step."""
+    seqs = len(lengths)
+    longest = max(lengths, default=0)
+    base = model.cost(seqs)
+    if base is None or longest == 0:
+        return longest
+    best, best_rate = 0, 0.0
+    for length in range(1, longest + 1):
+        cost = model.cost(seqs * (length + 1))
+        tokens = seqs + sum(expected_accepted(a, min(n, length))
+                            for n, a in zip(lengths, acceptances))
+        if cost is not None and tokens / cost > best_rate:
+            best, best_rate = length, tokens / cost
+    return best if best_rate > (1 + MIN_GAIN) * seqs / base else 0

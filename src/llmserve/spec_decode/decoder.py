@@ -19,6 +19,13 @@ measured per row count, and drafts go to the requests most likely to have them a
 only while the step's expected tokens per second still grow; at a large batch, where a
 step is bound by compute, drafts that will mostly be rejected are not verified at all.
 Speculation is also off while more than ``max_batch`` sequences run.
+
+Uniform steps (n-gram and suffix proposers): when several sequences decode, every one gets
+the same number of drafts ``L`` (longer drafts cut, shorter ones filled with a repeat of
+their last token, itself a proposal the verifier may accept or reject like any other), with
+``L`` chosen by the cost model (``uniform_draft_length``). Equal rows let the runner verify
+the step as one compiled graph; unequal ones made it an eager step, slower than the drafts
+could gain at 8 streams (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -29,7 +36,12 @@ from typing import Optional, Sequence
 from llmserve.engine.kv.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.spec_decode.config import SpecDecodeConfig
-from llmserve.spec_decode.cost_model import DraftCandidate, StepCostModel, plan_drafts
+from llmserve.spec_decode.cost_model import (
+    DraftCandidate,
+    StepCostModel,
+    plan_drafts,
+    uniform_draft_length,
+)
 from llmserve.spec_decode.proposers import NgramIndex, NgramProposer, PredictionState, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +55,7 @@ class SpecState:
     """Per-request speculation state (``Request.spec_state``)."""
 
     __slots__ = ("ema", "paused_until", "backoff", "prediction", "ngram_index", "draft_probs",
-                 "from_prediction", "accepted_prediction")
+                 "from_prediction", "accepted_prediction", "fillers")
 
     def __init__(self, prediction: Optional[PredictionState] = None) -> None:
         self.ema = 1.0
@@ -54,6 +66,7 @@ class SpecState:
         self.draft_probs: object = None      # the current draft's distributions (draft model)
         self.from_prediction = False         # the current draft replays the prediction
         self.accepted_prediction = 0
+        self.fillers = 0                     # drafts at the end that only even out a step
 
     @property
     def rejected_prediction(self) -> int:
@@ -136,10 +149,15 @@ class SpeculativeDecoder:
         predicted: list[Request] = []
         predicted_k: list[int] = []
         wanted: list[tuple[Request, SpecState, int]] = []
+        decoding: list[Request] = []
+        uniform = self.config.adaptive and self.config.method in ("ngram", "suffix")
         for req in running:
-            if (req.num_tokens - req.num_computed_tokens != 1 or _constrained(req)
-                    or req.is_embedding):   # prefill only: never decodes
+            if req.num_tokens - req.num_computed_tokens != 1 or req.is_embedding:
+                continue   # prefills (an embedding request never decodes)
+            if _constrained(req):
+                uniform = False   # a constrained row verifies no draft: the step is uneven
                 continue
+            decoding.append(req)
             state = req.spec_state
             if state is None:
                 if self.proposer is None:
@@ -168,6 +186,31 @@ class SpeculativeDecoder:
         if plain:
             for req, k, prop in zip(plain, plain_k, self.proposer.propose(plain, plain_k)):
                 self._set(req, prop, k)
+        if uniform and not predicted and len(decoding) > 1:
+            self._even_out(decoding, step)
+
+    def _even_out(self, decoding: list[Request], step: int) -> None:
+        """Give every decoding sequence ``L`` drafts (module docstring, "Uniform steps")."""
+        lengths = [len(r.spec_token_ids) for r in decoding]
+        if min(lengths) == max(lengths):
+            return
+        if self.costs.explores(step):
+            length = max(lengths)
+        else:
+            length = uniform_draft_length(
+                self.costs, lengths, [r.spec_state.ema if r.spec_state else 0.0 for r in decoding])
+        drafted = set(map(id, self._drafted))
+        for req in decoding:
+            room = min(length, req.max_total_tokens - req.num_tokens - 1)
+            drafts = req.spec_token_ids[:max(room, 0)]
+            fill = max(room - len(drafts), 0)
+            if fill:
+                drafts = drafts + [drafts[-1] if drafts else req.all_token_ids[-1]] * fill
+            if req.spec_state is not None:
+                req.spec_state.fillers = fill
+            req.spec_token_ids = drafts
+            if drafts and id(req) not in drafted:
+                self._drafted.append(req)
 
     def _plan(self, wanted: list[tuple[Request, SpecState, int]], num_running: int
               ) -> list[tuple[Request, SpecState, int]]:
@@ -182,6 +225,7 @@ class SpeculativeDecoder:
     def _set(self, req: Request, prop: Proposal, k: int) -> None:
         self._drafted.append(req)
         state = req.spec_state
+        state.fillers = 0
         req.spec_token_ids = list(prop.token_ids[:k])
         state.draft_probs = prop.draft_probs
         state.from_prediction = prop.from_prediction
@@ -222,12 +266,17 @@ class SpeculativeDecoder:
             req.num_computed_tokens += accepted
             kv.trim(req, req.num_tokens + accepted + 1)
             req.spec_token_ids = []
-            self.stats.record(s.num_draft_tokens, accepted)
             state = req.spec_state
+            # fillers (uniform steps) are no proposer's drafts: the statistics and the
+            # request's acceptance rate count its own drafts only
+            own = s.num_draft_tokens - (state.fillers if state is not None else 0)
+            if own <= 0:
+                continue
+            self.stats.record(own, min(accepted, own))
             if state is not None:
                 if state.from_prediction:
                     state.accepted_prediction += accepted
-                self._adapt(state, accepted / s.num_draft_tokens, step)
+                self._adapt(state, min(accepted, own) / own, step)
 
     def _adapt(self, state: SpecState, rate: float, step: int) -> None:
         state.ema = (1 - _EMA_WEIGHT) * state.ema + _EMA_WEIGHT * rate
