@@ -121,3 +121,19 @@ def test_a_decode_step_gives_every_sequence_the_same_number_of_drafts():
         uneven += len(counts) > 1
     assert evened > 5 and uneven == 0, (evened, uneven)
     assert core.spec.stats.proposed_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_steps_that_prefill_verify_no_drafts(method):
+    """A step that prefills runs eagerly: n-gram and suffix drafts wait for the decode-only
+    steps around it (two sequences at a time, so each end admits a waiting request)."""
+    ref = run(spec_core(method=method, max_num_seqs=2),
+              [req(f"r{i}", p, max_tokens=30) for i, p in enumerate(PROMPTS)])
+    core = spec_core(method=method, max_num_seqs=2)
+    got = run(core, [req(f"r{i}", p, max_tokens=30) for i, p in enumerate(PROMPTS)])
+    assert got == ref
+    prefilling = [sch for sch in core.schedules
+                  if any(s.num_new_tokens - s.num_draft_tokens > 1 for s in sch.scheduled)]
+    assert len(prefilling) >= len(PROMPTS) - 1   # the first step prefills two
+    assert all(s.num_draft_tokens == 0 for sch in prefilling for s in sch.scheduled)
+    assert core.spec.stats.accepted_tokens > 20

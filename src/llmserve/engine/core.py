@@ -160,7 +160,9 @@ class EngineCore:
 
     def step(self) -> list[SequenceUpdate]:
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.scheduler.step_index + 1)
+            sch = self.scheduler
+            admits = bool(sch.waiting) and len(sch.running) < sch.config.max_num_seqs
+            self.spec.propose(sch.running, sch.step_index + 1, prefill_next=admits)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []

@@ -25,7 +25,9 @@ the same number of drafts ``L`` (longer drafts cut, shorter ones filled with a r
 their last token, itself a proposal the verifier may accept or reject like any other), with
 ``L`` chosen by the cost model (``uniform_draft_length``). Equal rows let the runner verify
 the step as one compiled graph; unequal ones made it an eager step, slower than the drafts
-could gain at 8 streams (docs/BENCHMARKS.md).
+could gain at 8 streams (docs/BENCHMARKS.md). A step that prefills (a running request's
+prompt, or a waiting one the scheduler may admit) runs eagerly whatever the drafts, and its
+draft rows cost more there: these methods draft in the decode-only steps around it.
 """
 from __future__ import annotations
 
@@ -136,21 +138,27 @@ class SpeculativeDecoder:
             release(request_id)
 
     # ---- before scheduling -----------------------------------------------------------
-    def propose(self, running: Sequence[Request], step: int) -> None:
+    def propose(self, running: Sequence[Request], step: int, prefill_next: bool = False) -> None:
         """Set ``spec_token_ids`` of every running request (empty unless it decodes next
-        and speculates this step). O(1) when nothing can speculate."""
+        and speculates this step). O(1) when nothing can speculate. ``prefill_next``: a
+        waiting request may be admitted this step (module docstring, "Uniform steps")."""
         for req in self._drafted:
             req.spec_token_ids = []
         self._drafted = []
         if not self.active or len(running) > self.config.max_batch:
             return
+        uniform = self.config.adaptive and self.config.method in ("ngram", "suffix")
+        if uniform and (prefill_next or any(r.num_tokens - r.num_computed_tokens > 1
+                                            for r in running)):
+            # an eager step (it prefills): only drafts a client brought are verified there
+            running = [r for r in running
+                       if r.spec_state is not None and r.spec_state.prediction is not None]
         plain: list[Request] = []
         plain_k: list[int] = []
         predicted: list[Request] = []
         predicted_k: list[int] = []
         wanted: list[tuple[Request, SpecState, int]] = []
         decoding: list[Request] = []
-        uniform = self.config.adaptive and self.config.method in ("ngram", "suffix")
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or req.is_embedding:
                 continue   # prefills (an embedding request never decodes)
