@@ -137,3 +137,18 @@ def test_steps_that_prefill_verify_no_drafts(method):
     assert len(prefilling) >= len(PROMPTS) - 1   # the first step prefills two
     assert all(s.num_draft_tokens == 0 for sch in prefilling for s in sch.scheduled)
     assert core.spec.stats.accepted_tokens > 20
+
+
+def test_a_waiting_request_that_does_not_fit_does_not_stop_speculation():
+    """The queue holds a request whose KV does not fit the pool: the scheduler says its
+    admission is blocked, and the running request keeps drafting (no prefill is coming)."""
+    core = spec_core(num_blocks=20)   # 80 tokens: each request fits alone, not both
+    core.add_request(req("run", PROMPTS[0] * 5, max_tokens=30))
+    core.step()
+    core.add_request(req("big", list(range(40, 80)), max_tokens=30))
+    drafted = 0
+    for _ in range(6):
+        core.step()
+        assert core.scheduler.waiting and core.scheduler.admission_blocked
+        drafted += sum(s.num_draft_tokens for s in core.schedules[-1].scheduled)
+    assert drafted > 0

@@ -160,9 +160,13 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_path, method):
     assert stat < _chi2_critical(df), (stat, df, counts.most_common(8))
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
 @pytest.mark.parametrize("method", METHODS)
-def test_seeded_sampling_with_speculation_is_reproducible(tiny_path, method):
-    llm = _llm(tiny_path, spec=method)
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_path, method, adaptive):
+    """A seeded request's tokens are the same alone and among other sampled requests; with
+    the adaptive planner on too (its cost model, uniform steps and the prefill rule leave a
+    seeded request's drafts to its own history)."""
+    llm = _llm(tiny_path, spec=method, speculative_adaptive=adaptive)
     p = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
     alone = llm.generate([PROMPTS[1]], p)[0].outputs[0].token_ids
     others = [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 3

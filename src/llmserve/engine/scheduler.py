@@ -104,6 +104,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_index = 0
         self.num_preemptions = 0
+        #: the last admission stopped at a waiting request whose KV did not fit (it may stay
+        #: waiting for many steps: speculation should not wait for its prefill)
+        self.admission_blocked = False
         self.num_aborted = 0
         self.prefix = PrefixCacheCounters()
 
@@ -216,6 +219,7 @@ class Scheduler:
         if not out.preempted:
             self.waiting.sort(key=lambda r: self._key(r, now))
             admitted = []
+            self.admission_blocked = False
             for request in self.waiting:
                 if budget <= 0 or prefill_cap <= 0 or len(self.running) >= cfg.max_num_seqs:
                     break
@@ -229,6 +233,7 @@ class Scheduler:
                 # would only stop a request that fits the pool from ever starting
                 reserve = self.admission_watermark_blocks if self.running else 0
                 if not self.kv.allocate_slots(request, num_new, cached, reserve=reserve):
+                    self.admission_blocked = True
                     break  # keep priority order: nobody jumps a request that does not fit
                 first_time = request.num_cached_tokens < 0
                 if first_time:

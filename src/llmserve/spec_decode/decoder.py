@@ -151,8 +151,9 @@ class SpeculativeDecoder:
         if uniform and (prefill_next or any(r.num_tokens - r.num_computed_tokens > 1
                                             for r in running)):
             # an eager step (it prefills): only drafts a client brought are verified there
-            running = [r for r in running
-                       if r.spec_state is not None and r.spec_state.prediction is not None]
+            # (and a seeded request's, whose draws must not depend on the batch)
+            running = [r for r in running if _seeded(r) or (
+                r.spec_state is not None and r.spec_state.prediction is not None)]
         plain: list[Request] = []
         plain_k: list[int] = []
         predicted: list[Request] = []
@@ -165,6 +166,8 @@ class SpeculativeDecoder:
             if _constrained(req):
                 uniform = False   # a constrained row verifies no draft: the step is uneven
                 continue
+            if _seeded(req):
+                uniform = False   # its drafts, and so its draws, are its own (_seeded)
             decoding.append(req)
             state = req.spec_state
             if state is None:
@@ -224,8 +227,8 @@ class SpeculativeDecoder:
               ) -> list[tuple[Request, SpecState, int]]:
         """The drafts that pay at this batch size (cost model); a request that brought a
         prediction keeps its drafts (its client asked for them)."""
-        fixed = [w for w in wanted if w[1].prediction is not None]
-        free = [w for w in wanted if w[1].prediction is None]
+        fixed = [w for w in wanted if w[1].prediction is not None or _seeded(w[0])]
+        free = [w for w in wanted if w[1].prediction is None and not _seeded(w[0])]
         planned = plan_drafts(self.costs, num_running + sum(k for _, _, k in fixed),
                               [DraftCandidate(k, min(1.0, st.ema)) for _, st, k in free])
         return fixed + [(r, st, k) for (r, st, _), k in zip(free, planned) if k > 0]
@@ -273,11 +276,12 @@ class SpeculativeDecoder:
                                    f"{req.request_id} with {s.num_draft_tokens} drafts")
             req.num_computed_tokens += accepted
             kv.trim(req, req.num_tokens + accepted + 1)
-            req.spec_token_ids = []
             state = req.spec_state
             # fillers (uniform steps) are no proposer's drafts: the statistics and the
-            # request's acceptance rate count its own drafts only
-            own = s.num_draft_tokens - (state.fillers if state is not None else 0)
+            # request's acceptance rate count its own drafts only (of those the budget let in)
+            fillers = state.fillers if state is not None else 0
+            own = min(s.num_draft_tokens, len(req.spec_token_ids) - fillers)
+            req.spec_token_ids = []
             if own <= 0:
                 continue
             self.stats.record(own, min(accepted, own))
@@ -296,6 +300,15 @@ class SpeculativeDecoder:
             state.ema = _FULL_K_ACCEPTANCE / 2   # resume carefully: a short draft
         elif rate >= 0.5:
             state.backoff = max(_MIN_BACKOFF, state.backoff // 2)
+
+
+def _seeded(req: Request) -> bool:
+    """A seeded sampled request verifies each step's drafts with ``k + 2`` numbers from its
+    own generator, so its tokens depend on its ``k`` at every step: its drafts are planned
+    from its own history only (no cost model, no uniform step, no prefill rule), so the
+    same request gives the same tokens whatever shares its steps."""
+    params = req.sampling_params
+    return params.seed is not None and params.temperature > 0
 
 
 def _constrained(req: Request) -> bool:
