@@ -82,9 +82,7 @@ def main() -> None:
         llm = LLM(args.model, **kw)
         tok = llm.engine.tokenizer
         spec_req = extractive_workload(tok, args.prompt_index + 1, 160, seed=0)[args.prompt_index]
-        prompt = tok.apply_chat_template(spec_req.messages)
-        if not isinstance(prompt, list):
-            prompt = tok.encode(prompt, add_special_tokens=False)
+        prompt = tok.encode_chat(spec_req.messages)
         results.append(_run(llm, prompt, SamplingParams(max_tokens=args.max_tokens,
                                                         temperature=0)))
         del llm

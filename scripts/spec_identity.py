@@ -46,11 +46,7 @@ def main() -> None:
     report = {}
     for name, (make, input_len) in WORKLOADS.items():
         specs = [s for seed in seeds for s in make(tok, args.num_prompts, input_len, seed=seed)]
-        prompts = []
-        for s in specs:
-            ids = tok.apply_chat_template(s.messages)
-            prompts.append(ids if isinstance(ids, list)
-                           else tok.encode(ids, add_special_tokens=False))
+        prompts = [tok.encode_chat(s.messages) for s in specs]   # as the server encodes
         lengths = [s.output_len for s in specs]
         got = {run: answers(llm, prompts, lengths) for run, llm in runs.items()}
         for method in runs:

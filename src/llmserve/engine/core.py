@@ -161,9 +161,7 @@ class EngineCore:
     def step(self) -> list[SequenceUpdate]:
         if self.spec is not None:
             sch = self.scheduler
-            admits = (bool(sch.waiting) and len(sch.running) < sch.config.max_num_seqs
-                      and not sch.admission_blocked)
-            self.spec.propose(sch.running, sch.step_index + 1, prefill_next=admits)
+            self.spec.propose(sch.running, sch.step_index + 1, prefill_next=sch.may_admit)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []

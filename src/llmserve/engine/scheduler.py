@@ -110,6 +110,13 @@ class Scheduler:
         self.num_aborted = 0
         self.prefix = PrefixCacheCounters()
 
+    @property
+    def may_admit(self) -> bool:
+        """The next step may admit a waiting request (and so prefill): one waits, a
+        sequence slot is free and the last admission was not stopped for KV."""
+        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+                and not self.admission_blocked)
+
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

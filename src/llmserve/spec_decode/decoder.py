@@ -227,8 +227,10 @@ class SpeculativeDecoder:
               ) -> list[tuple[Request, SpecState, int]]:
         """The drafts that pay at this batch size (cost model); a request that brought a
         prediction keeps its drafts (its client asked for them)."""
-        fixed = [w for w in wanted if w[1].prediction is not None or _seeded(w[0])]
-        free = [w for w in wanted if w[1].prediction is None and not _seeded(w[0])]
+        fixed: list[tuple[Request, SpecState, int]] = []
+        free: list[tuple[Request, SpecState, int]] = []
+        for w in wanted:
+            (fixed if w[1].prediction is not None or _seeded(w[0]) else free).append(w)
         planned = plan_drafts(self.costs, num_running + sum(k for _, _, k in fixed),
                               [DraftCandidate(k, min(1.0, st.ema)) for _, st, k in free])
         return fixed + [(r, st, k) for (r, st, _), k in zip(free, planned) if k > 0]
