@@ -3,6 +3,7 @@ rejection counter, in a real in-process HTTP server over the fake engine with a 
 SQLite ledger."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -22,10 +23,12 @@ KEYS = {"beta": "sk-beta", "tiny": "sk-tiny"}
 TENANTS = {"beta": {}, "tiny": {"requests_per_minute": 1, "request_burst": 1}}
 CHAT = "/v1/chat/completions"
 UNSCHEDULED = "__deadline_passed_in_queue__"
+SLOW_START = "__slow_first_token__"
 
 
 class QueueingFakeEngine(FakeEngine):
-    """A fake engine that can end a request by its deadline before scheduling it."""
+    """A fake engine that can end a request by its deadline before scheduling it, or
+    start one late (so a client that leaves early surely leaves before any response)."""
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **kw: Any
                        ) -> AsyncIterator[RequestOutput]:
@@ -36,6 +39,8 @@ class QueueingFakeEngine(FakeEngine):
             yield RequestOutput(request_id, None, ids, [CompletionOutput(0, finish_reason="timeout")],
                                 finished=True, metrics=metrics)
             return
+        if SLOW_START in self.tokenizer.decode(ids):
+            await asyncio.sleep(1.0)
         async for out in super().generate(prompt, params, request_id, **kw):
             yield out
 
@@ -79,7 +84,9 @@ def row_of(live: LiveServer, request_id: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream, after_s", [(False, 0.45), (True, 0.05)])
 def test_a_dropped_request_is_billed_the_same_with_or_without_a_key(live, stream, after_s) -> None:
-    body = chat(max_tokens=40, ignore_eos=True, stream=stream)
+    # a stream's headers go out with its first token: that token comes a second after the
+    # client left, so the server has surely seen the disconnect on a loaded machine
+    body = chat(SLOW_START if stream else "hello", max_tokens=40, ignore_eos=True, stream=stream)
     plain = row_of(live, drop(live, body, after_s))
     keyed = row_of(live, drop(live, body, after_s, key=f"k-{stream}"))
     assert plain["status"] == keyed["status"] == 499        # the client left before a response
