@@ -42,3 +42,16 @@ def test_cli_kv_calc_falls_back_to_the_formula_without_torch():
     rep = json.loads(out.stdout)
     assert rep["pool"]["source"] == "formula"
     assert rep["pool"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+
+
+def test_the_cli_parser_loads_no_plotting_library():
+    """`llmserve serve` builds the whole CLI parser (bench included) on every start:
+    matplotlib is imported only when a plot is drawn."""
+    script = ("import sys\n"
+              "from llmserve.cli import build_parser\n"
+              "build_parser()\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -27,6 +28,7 @@ from llmserve.model.loading.gguf_families import hf_names, model_architecture, n
 logger = logging.getLogger(__name__)
 
 _GGUF_MAGIC = b"GGUF"
+_U64 = struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32
 
 _SCALAR_FORMATS = {
@@ -85,6 +87,23 @@ class _HeaderParser:
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` length-prefixed strings (a vocabulary, a merge list) in one tight loop."""
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        length_at = _U64.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > size:
+                raise ValueError(f"{self.path}: truncated GGUF string at byte {pos}")
+            (length,) = length_at(buf, pos)
+            end = pos + 8 + length
+            if end > size:
+                raise ValueError(f"{self.path}: truncated GGUF string at byte {pos}")
+            out.append(buf[pos + 8:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         vtype = GGUFValueType(vtype)
         if vtype == GGUFValueType.STRING:
@@ -92,6 +111,8 @@ class _HeaderParser:
         if vtype == GGUFValueType.ARRAY:
             item_type = GGUFValueType(self._unpack("<I"))
             count = self._unpack("<Q")
+            if item_type == GGUFValueType.STRING:
+                return self.strings(count)
             if item_type in _SCALAR_FORMATS:
                 dtype = np.dtype(_SCALAR_FORMATS[item_type])
                 end = self.pos + count * dtype.itemsize
@@ -104,8 +125,17 @@ class _HeaderParser:
         return self._unpack(_SCALAR_FORMATS[vtype])
 
 
+_parsed: dict[tuple[str, int, int, int], GGUFFile] = {}
+_parsed_lock = threading.Lock()
+_PARSED_KEPT = 4
+
+
 def read_gguf(path: str) -> GGUFFile:
     """Parse a GGUF file's metadata and tensor index; tensor data is not read.
+
+    A start reads one file's header three times (model config, weights, tokenizer): the
+    last few parsed headers are kept, keyed by the file's identity (inode, size and
+    modification time), so an unchanged file is parsed once. Treat the result as read-only.
 
     Raises:
         FileNotFoundError: no such file.
@@ -113,6 +143,20 @@ def read_gguf(path: str) -> GGUFFile:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _parsed_lock:
+        if key in _parsed:
+            return _parsed[key]
+    parsed = _parse_gguf(path)
+    with _parsed_lock:
+        while len(_parsed) >= _PARSED_KEPT:
+            _parsed.pop(next(iter(_parsed)))
+        _parsed[key] = parsed
+    return parsed
+
+
+def _parse_gguf(path: str) -> GGUFFile:
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != _GGUF_MAGIC:
             raise ValueError(f"{path!r} is not a GGUF file (magic {buf[:4]!r})")
