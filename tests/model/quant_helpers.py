@@ -13,8 +13,10 @@ _K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0
                     Q.Q6_K: (208,)}
 
 
-def gguf_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> RawGGUFTensor:
-    """A ``rows x cols`` tensor of ``qtype`` as the loader's raw form."""
+def gguf_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0,
+                super_scale: float = 0.001) -> RawGGUFTensor:
+    """A ``rows x cols`` tensor of ``qtype`` as the loader's raw form; a K-quant's
+    super-scales are drawn from ``[super_scale, 5 * super_scale)``."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -22,7 +24,7 @@ def gguf_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0
         block, size = GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
         for off in _K_SCALE_OFFSETS[qtype]:
-            d = (rng.random((rows, cols // block)) * 0.004 + 0.001).astype(np.float16)
+            d = ((rng.random((rows, cols // block)) * 4 + 1) * super_scale).astype(np.float16)
             data[..., off:off + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
         data = data.reshape(rows, -1)
     else:

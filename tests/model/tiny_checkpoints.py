@@ -166,13 +166,19 @@ def _add_default_tokenizer(writer) -> None:
         writer.add_chat_template(meta["tokenizer.chat_template"])
 
 
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
 def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "llama",
                    embedding_quant: Optional[str] = None, with_tokenizer: bool = False,
                    tokenizer_writer: Optional[Callable[[Any], None]] = None) -> str:
     """Convert a tiny HF *Llama* folder to GGUF as llama.cpp would; return ``out_path``.
 
     ``quant`` is a ``GGMLQuantizationType`` name such as ``"F32"``, ``"F16"``, ``"Q8_0"`` or
-    ``"Q4_1"``: 2-D weights are quantized; norms and, to keep this fast, the large token
+    ``"Q4_1"``: 2-D weights are quantized; for the K-quants (``"Q4_K"``, ``"Q5_K"``,
+    ``"Q6_K"``), which the ``gguf`` package cannot write, they are random valid blocks of
+    the tensor's shape instead (small scales: the values are not the checkpoint's, the
+    shapes are). Norms and, to keep this fast, the large token
     embedding stay F32 unless ``embedding_quant`` names its type. ``with_tokenizer`` copies
     the default model's tokenizer in, so an engine can open the file; ``tokenizer_writer``
     (called with the ``GGUFWriter``) writes another tokenizer instead. ``arch`` is
@@ -193,7 +199,9 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
     elif with_tokenizer:
         _add_default_tokenizer(writer)
     qtype = gguf.GGMLQuantizationType[quant]
-    writer.add_file_type(gguf.LlamaFileType["ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"])
+    file_type = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M"}.get(
+        quant, f"MOSTLY_{quant}")
+    writer.add_file_type(gguf.LlamaFileType[file_type])
     tensors = {}
     for name in sorted(os.listdir(hf_dir)):
         if name.endswith(".safetensors"):
@@ -207,6 +215,11 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
         if "embed_tokens" in hf_name and embedding_quant is not None:
             etype = gguf.GGMLQuantizationType[embedding_quant]
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(value, etype), raw_dtype=etype)
+        elif value.ndim == 2 and quant in _K_QUANTS and "embed_tokens" not in hf_name:
+            from tests.model.quant_helpers import gguf_blocks
+            blocks = gguf_blocks(qtype, *value.shape, seed=len(tensors) + sum(map(ord, hf_name)),
+                                 super_scale=2e-5)
+            writer.add_tensor(_gguf_name(hf_name), blocks.data, raw_dtype=qtype)
         elif value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed_tokens" not in hf_name:
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:

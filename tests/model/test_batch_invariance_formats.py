@@ -1,0 +1,86 @@
+"""Batch invariance for the K-quant files people download (issue 34: "every weight format"),
+up to the 64 rows the issue names: a request's greedy tokens and sampled rows' logits, bit
+for bit, are the same alone, inside batches of up to 64 requests and with its prompt
+chunked, for a GGUF whose layers are Q4_K blocks (the int4 kernels) or Q5_K / Q6_K blocks
+(the GGUF block kernel with int8 activations where the CPU has VNNI, int8 per channel
+elsewhere), compiled decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py, with the same
+helpers.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM
+from tests.model.test_batch_invariance import GREEDY, TARGETS, assert_same, run
+from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
+
+#: 60 more requests of 3..62 tokens beside the four targets: a step of 64 rows
+MANY_FILLERS = [[(17 * i + 3 * j) % 500 + 3 for j in range(3 + i)] for i in range(60)]
+
+
+def engine(path: str, **kw) -> LLM:
+    return LLM(path, dtype="bfloat16", quantization="auto", num_kv_blocks=512, block_size=16,
+               enforce_eager=False, enable_prefix_caching=False, **kw)
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp_path, quant):
+    from llmserve.model.quant.native_qblock import native_qblock_available
+
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
+                              num_heads=4, num_kv_heads=2, seed=17)
+    path = make_tiny_gguf(hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant,
+                          with_tokenizer=True)
+    llm = engine(path, max_num_seqs=64)
+    assert llm.engine.runner.compiled is not None
+    if quant == "Q4_K":   # 4-bit: the int4 kernels, an exact re-layout of its sub-blocks
+        assert "linear:int4-g32" in llm.engine.runner.quantization
+    elif native_qblock_available():
+        assert f"gguf-{quant.lower()}-a8" in llm.engine.runner.quantization
+    alone = [run(llm, [p], GREEDY) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    for rows in alone[1]:
+        assert torch.isfinite(rows).all()       # a NaN row would compare unequal to itself
+    for extra in (5, 60):
+        got = run(llm, TARGETS + MANY_FILLERS[:extra], GREEDY)
+        assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: batch of {4 + extra}")
+    chunked = engine(path, max_num_seqs=16, max_num_batched_tokens=16)
+    got = run(chunked, TARGETS + MANY_FILLERS[:4], GREEDY)
+    assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: chunks of 16 tokens")
+
+
+_FORCED_TIER = """
+import sys, torch
+from tests.model.test_batch_invariance import GREEDY, TARGETS, run
+from tests.model.test_batch_invariance_formats import MANY_FILLERS
+from llmserve import LLM
+llm = LLM(sys.argv[1], quantization="auto", num_kv_blocks=512, block_size=16, max_num_seqs=64,
+          enforce_eager=False, enable_prefix_caching=False)
+plan = llm.engine.runner.kernel_plan
+alone = [run(llm, [p], GREEDY) for p in TARGETS]
+batched = run(llm, TARGETS + MANY_FILLERS, GREEDY)
+torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled is not None,
+            "alone": ([a[0][0] for a in alone], [a[1][0] for a in alone]),
+            "batched": (batched[0][:4], batched[1][:4])}, sys.argv[2])
+"""
+
+
+def test_the_avx2_tier_gives_the_same_tokens_alone_and_in_a_batch_of_64(tmp_path):
+    """The same check on the avx2 tier (``LLMSERVE_CPU_ISA=avx2``, a fresh process: the tier
+    is chosen once at start-up), for a Q6_K file, compiled graphs on, ``--dtype auto``."""
+    import os
+    import subprocess
+    import sys
+
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
+                              num_heads=4, num_kv_heads=2, seed=19)
+    path = make_tiny_gguf(hf, str(tmp_path / "tiny-Q6_K.gguf"), quant="Q6_K",
+                          with_tokenizer=True)
+    out = tmp_path / "result.pt"
+    env = dict(os.environ, LLMSERVE_CPU_ISA="avx2")
+    subprocess.run([sys.executable, "-c", _FORCED_TIER, path, str(out)], env=env, check=True,
+                   capture_output=True, text=True, timeout=600)
+    got = torch.load(out)
+    assert got["tier"] == "avx2" and got["compiled"]
+    assert_same(got["alone"], got["batched"], "avx2 tier, Q6_K: batch of 64")
