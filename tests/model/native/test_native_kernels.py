@@ -109,7 +109,9 @@ def _decode_case(b, h, hkv, d, length, seed=0):
 
 @needs_native
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 1, 64), (4, 4, 64), (6, 2, 128),
-                                     (8, 1, 128), (8, 4, 32), (4, 2, 256)])
+                                     (8, 1, 128), (8, 4, 32), (4, 2, 256), (14, 2, 64),
+                                     (16, 2, 64), (32, 8, 128), (28, 4, 128), (10, 2, 128),
+                                     (12, 1, 64)])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_paged_decode_equals_the_inplace_reference(h, hkv, d, softcap):
     q, kc, vc, slots, valid = _decode_case(5, h, hkv, d, 37)
@@ -123,7 +125,8 @@ def test_paged_decode_equals_the_inplace_reference(h, hkv, d, softcap):
 @needs_native
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 48, 70])
 @pytest.mark.parametrize("h,hkv,d,softcap", [(9, 3, 64, None), (6, 1, 64, None),
-                                             (6, 2, 128, 30.0)])
+                                             (6, 2, 128, 30.0), (14, 2, 64, None),
+                                             (16, 2, 128, 30.0)])
 def test_paged_decode_scores_by_blocks_of_16_keys(length, h, hkv, d, softcap):
     # the fixed kernels score 16 keys at a time: partial blocks, a fully masked block
     # (a sliding window past the first 16 keys) and masked keys inside a block
@@ -136,6 +139,19 @@ def test_paged_decode_scores_by_blocks_of_16_keys(length, h, hkv, d, softcap):
     ref = paged_decode_inplace(q, kc, vc, slots, valid, d ** -0.5, softcap)
     got = paged_decode_native(q, kc, vc, slots, valid, d ** -0.5, softcap)
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (14, 2, 64), (32, 8, 128), (12, 1, 64)])
+def test_paged_decode_gives_a_row_the_same_bits_alone_and_in_a_batch(h, hkv, d):
+    # the fixed kernels (groups up to 8) and the run-time one (12 heads over 1): one task
+    # per (sequence, KV head) whatever the batch, so batch invariance holds bit for bit
+    q, kc, vc, slots, valid = _decode_case(6, h, hkv, d, 45, seed=h)
+    together = paged_decode_native(q, kc, vc, slots, valid, d ** -0.5)
+    for r in range(6):
+        alone = paged_decode_native(q[r:r + 1], kc, vc, slots[r:r + 1], valid[r:r + 1],
+                                    d ** -0.5)
+        assert torch.equal(together[r:r + 1].view(torch.int16), alone.view(torch.int16))
 
 
 @needs_native
