@@ -79,8 +79,9 @@ def test_the_avx2_tier_gives_the_same_tokens_alone_and_in_a_batch_of_64(tmp_path
                           with_tokenizer=True)
     out = tmp_path / "result.pt"
     env = dict(os.environ, LLMSERVE_CPU_ISA="avx2")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", _FORCED_TIER, path, str(out)], env=env, check=True,
-                   capture_output=True, text=True, timeout=600)
+                   capture_output=True, text=True, timeout=600, cwd=repo)
     got = torch.load(out)
     assert got["tier"] == "avx2" and got["compiled"]
     assert_same(got["alone"], got["batched"], "avx2 tier, Q6_K: batch of 64")
