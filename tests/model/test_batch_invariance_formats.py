@@ -1,10 +1,11 @@
-"""Batch invariance for the K-quant files people download (issue 34: "every weight format"),
-up to the 64 rows the issue names: a request's greedy tokens and sampled rows' logits, bit
-for bit, are the same alone, inside batches of up to 64 requests and with its prompt
-chunked, for a GGUF whose layers are Q4_K blocks (the int4 kernels) or Q5_K / Q6_K blocks
-(the GGUF block kernel with int8 activations where the CPU has VNNI, int8 per channel
-elsewhere), compiled decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py, with the same
-helpers.
+"""Batch invariance beyond the default model's shape and format (issue 34: "every weight
+format", batches "of 1-64"): a request's greedy tokens and sampled rows' logits, bit for bit,
+are the same alone, inside batches of up to 64 requests and with its prompt chunked, for
+GGUFs whose layers are Q4_K blocks (the int4 kernels) or Q5_K / Q6_K blocks (the GGUF block
+kernel with int8 activations where the CPU has VNNI, int8 per channel elsewhere), for a wide
+attention group (seven query heads over one KV head), and on the forced avx2 tier; compiled
+decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py,
+whose helpers these tests share.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from llmserve import LLM
-from tests.model.test_batch_invariance import GREEDY, TARGETS, assert_same, run
+from tests.model.test_batch_invariance import GREEDY, SEEDED, TARGETS, assert_same, run
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 #: 60 more requests of 3..62 tokens beside the four targets: a step of 64 rows
@@ -48,6 +49,26 @@ def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp
     chunked = engine(path, max_num_seqs=16, max_num_batched_tokens=16)
     got = run(chunked, TARGETS + MANY_FILLERS[:4], GREEDY)
     assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: chunks of 16 tokens")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_wide_attention_group_gives_the_same_tokens_alone_and_in_batches(tmp_path, params):
+    """Seven query heads over one KV head (head size 64: Qwen2.5-0.5B's group), whose decode
+    attention runs a fixed kernel since it covers groups of up to 8: tokens and logits alone,
+    in batches of 4, 9 and 16 and chunked, bit for bit."""
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=448, intermediate=256,
+                              num_heads=7, num_kv_heads=1, seed=23)
+    path = make_tiny_gguf(hf, str(tmp_path / "tiny-q4_1.gguf"), quant="Q4_1",
+                          with_tokenizer=True)
+    llm = engine(path, max_num_seqs=16)
+    alone = [run(llm, [p], params) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    for extra in (0, 5, 12):
+        got = run(llm, TARGETS + MANY_FILLERS[:extra], params)
+        assert_same(alone, (got[0][:4], got[1][:4]), f"7 heads over 1: batch of {4 + extra}")
+    chunked = engine(path, max_num_seqs=16, max_num_batched_tokens=16)
+    got = run(chunked, TARGETS + MANY_FILLERS[:4], params)
+    assert_same(alone, (got[0][:4], got[1][:4]), "7 heads over 1: chunks of 16 tokens")
 
 
 _FORCED_TIER = """
