@@ -12,17 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve import LLM
-from tests.model.test_batch_invariance import GREEDY, SEEDED, TARGETS, assert_same, run
+from tests.model.test_batch_invariance import GREEDY, SEEDED, TARGETS, assert_same, engine, run
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 #: 60 more requests of 3..62 tokens beside the four targets: a step of 64 rows
 MANY_FILLERS = [[(17 * i + 3 * j) % 500 + 3 for j in range(3 + i)] for i in range(60)]
-
-
-def engine(path: str, **kw) -> LLM:
-    return LLM(path, dtype="bfloat16", quantization="auto", num_kv_blocks=512, block_size=16,
-               enforce_eager=False, enable_prefix_caching=False, **kw)
 
 
 @pytest.mark.parametrize("quant", ["Q4_K", "Q5_K", "Q6_K"])
@@ -33,7 +27,7 @@ def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp
                               num_heads=4, num_kv_heads=2, seed=17)
     path = make_tiny_gguf(hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant,
                           with_tokenizer=True)
-    llm = engine(path, max_num_seqs=64)
+    llm = engine(path, max_num_seqs=64, enable_prefix_caching=False)
     assert llm.engine.runner.compiled is not None
     if quant == "Q4_K":   # 4-bit: the int4 kernels, an exact re-layout of its sub-blocks
         assert "linear:int4-g32" in llm.engine.runner.quantization
@@ -46,7 +40,7 @@ def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp
     for extra in (5, 60):
         got = run(llm, TARGETS + MANY_FILLERS[:extra], GREEDY)
         assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: batch of {4 + extra}")
-    chunked = engine(path, max_num_seqs=16, max_num_batched_tokens=16)
+    chunked = engine(path, max_num_batched_tokens=16, enable_prefix_caching=False)
     got = run(chunked, TARGETS + MANY_FILLERS[:4], GREEDY)
     assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: chunks of 16 tokens")
 
@@ -60,13 +54,13 @@ def test_a_wide_attention_group_gives_the_same_tokens_alone_and_in_batches(tmp_p
                               num_heads=7, num_kv_heads=1, seed=23)
     path = make_tiny_gguf(hf, str(tmp_path / "tiny-q4_1.gguf"), quant="Q4_1",
                           with_tokenizer=True)
-    llm = engine(path, max_num_seqs=16)
+    llm = engine(path, enable_prefix_caching=False)
     alone = [run(llm, [p], params) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     for extra in (0, 5, 12):
         got = run(llm, TARGETS + MANY_FILLERS[:extra], params)
         assert_same(alone, (got[0][:4], got[1][:4]), f"7 heads over 1: batch of {4 + extra}")
-    chunked = engine(path, max_num_seqs=16, max_num_batched_tokens=16)
+    chunked = engine(path, max_num_batched_tokens=16, enable_prefix_caching=False)
     got = run(chunked, TARGETS + MANY_FILLERS[:4], params)
     assert_same(alone, (got[0][:4], got[1][:4]), "7 heads over 1: chunks of 16 tokens")
 

@@ -80,15 +80,11 @@ class _HeaderParser:
         return value
 
     def string(self) -> str:
-        length = self._unpack("<Q")
-        if self.pos + length > len(self.buf):
-            raise ValueError(f"{self.path}: truncated GGUF string at byte {self.pos}")
-        raw = self.buf[self.pos:self.pos + length]
-        self.pos += length
-        return raw.decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
-        """``count`` length-prefixed strings (a vocabulary, a merge list) in one tight loop."""
+        """``count`` length-prefixed strings (one key, a vocabulary, a merge list) in one
+        tight loop."""
         buf, pos, size = self.buf, self.pos, len(self.buf)
         length_at = _U64.unpack_from
         out = []
