@@ -1,8 +1,9 @@
 """Batch invariance beyond the default model's shape and format (issue 34: "every weight
 format", batches "of 1-64"): a request's greedy tokens and sampled rows' logits, bit for bit,
 are the same alone, inside batches of up to 64 requests and with its prompt chunked, for
-GGUFs whose layers are Q4_K blocks (the int4 kernels) or Q5_K / Q6_K blocks (the GGUF block
-kernel with int8 activations where the CPU has VNNI, int8 per channel elsewhere), for a wide
+GGUFs whose layers are Q4_K / Q5_K / Q6_K blocks (the GGUF block kernel with int8
+activations where the CPU has VNNI; elsewhere Q4_K as int4 groups, the others int8 per
+channel), a tied Q6_K table (its head on the block kernel, its lookup decoding rows), a wide
 attention group (seven query heads over one KV head), and on the forced avx2 tier; compiled
 decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py,
 whose helpers these tests share.
@@ -23,16 +24,20 @@ MANY_FILLERS = [[(17 * i + 3 * j) % 500 + 3 for j in range(3 + i)] for i in rang
 def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp_path, quant):
     from llmserve.model.quant.native_qblock import native_qblock_available
 
+    # the Q6_K file ties its head to a Q6_K table (a Q4_K_M file's): the lookup decodes
+    # rows from the head's packed blocks inside the compiled graph
     hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
-                              num_heads=4, num_kv_heads=2, seed=17)
+                              num_heads=4, num_kv_heads=2, seed=17, tie=quant == "Q6_K")
     path = make_tiny_gguf(hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant,
-                          with_tokenizer=True)
+                          with_tokenizer=True, embedding_quant="Q6_K" if quant == "Q6_K" else None)
     llm = engine(path, max_num_seqs=64, enable_prefix_caching=False)
     assert llm.engine.runner.compiled is not None
-    if quant == "Q4_K":   # 4-bit: the int4 kernels, an exact re-layout of its sub-blocks
-        assert "linear:int4-g32" in llm.engine.runner.quantization
-    elif native_qblock_available():
+    if native_qblock_available():   # every K-quant in its own blocks
         assert f"gguf-{quant.lower()}-a8" in llm.engine.runner.quantization
+        if quant == "Q6_K":
+            assert llm.engine.runner.kernel_plan["lm_head"] == "tied:gguf-q6_k-a8"
+    elif quant == "Q4_K":   # the int4 kernels, an exact re-layout of its sub-blocks
+        assert "linear:int4-g32" in llm.engine.runner.quantization
     alone = [run(llm, [p], GREEDY) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     for rows in alone[1]:

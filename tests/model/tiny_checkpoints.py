@@ -179,7 +179,8 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
     ``"Q6_K"``), which the ``gguf`` package cannot write, they are random valid blocks of
     the tensor's shape instead (small scales: the values are not the checkpoint's, the
     shapes are). Norms and, to keep this fast, the large token
-    embedding stay F32 unless ``embedding_quant`` names its type. ``with_tokenizer`` copies
+    embedding stay F32 unless ``embedding_quant`` names its type (a K-quant: random blocks
+    too). ``with_tokenizer`` copies
     the default model's tokenizer in, so an engine can open the file; ``tokenizer_writer``
     (called with the ``GGUFWriter``) writes another tokenizer instead. ``arch`` is
     written as ``general.architecture`` (tests pass an unsupported one to check the error).
@@ -212,14 +213,17 @@ def make_tiny_gguf(hf_dir: str, out_path: str, quant: str = "F32", arch: str = "
             value = llama_cpp_permute(value, heads)
         elif hf_name.endswith("self_attn.k_proj.weight"):
             value = llama_cpp_permute(value, kv_heads)
-        if "embed_tokens" in hf_name and embedding_quant is not None:
+        embedding = "embed_tokens" in hf_name
+        kind = embedding_quant if embedding else quant
+        if embedding and embedding_quant is not None and embedding_quant not in _K_QUANTS:
             etype = gguf.GGMLQuantizationType[embedding_quant]
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(value, etype), raw_dtype=etype)
-        elif value.ndim == 2 and quant in _K_QUANTS and "embed_tokens" not in hf_name:
+        elif value.ndim == 2 and kind in _K_QUANTS:
             from tests.model.quant_helpers import gguf_blocks
-            blocks = gguf_blocks(qtype, *value.shape, seed=len(tensors) + sum(map(ord, hf_name)),
+            ktype = gguf.GGMLQuantizationType[kind]
+            blocks = gguf_blocks(ktype, *value.shape, seed=len(tensors) + sum(map(ord, hf_name)),
                                  super_scale=2e-5)
-            writer.add_tensor(_gguf_name(hf_name), blocks.data, raw_dtype=qtype)
+            writer.add_tensor(_gguf_name(hf_name), blocks.data, raw_dtype=ktype)
         elif value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed_tokens" not in hf_name:
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:

@@ -34,7 +34,7 @@ def _lm_head(head: LMHead) -> str:
         return "tied:onednn-prepacked"
     tied = head.tied
     if tied is not None and tied.qweight is not None:
-        return "tied:int8-a8" if tied.qweight.int8_activations else "tied:int8"
+        return f"tied:{tied.qweight.format_name}"
     return "tied:dense"
 
 
@@ -44,7 +44,8 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
     head = "none"
     for module in model.modules():
         if isinstance(module, VocabEmbedding):
-            embedding = "dense" if module.qweight is None else "int8"
+            embedding = "dense" if module.qweight is None else \
+                module.qweight.format_name.removesuffix("-a8")
         elif isinstance(module, LMHead):
             head = _lm_head(module)
     native_decode = bool(getattr(backend, "native_decode", False))

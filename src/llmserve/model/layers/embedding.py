@@ -1,10 +1,17 @@
 """Token embedding and the LM head (which may share the embedding's weight).
 
-A GGUF file's block-quantized table (given raw by a quantized load) is kept as int8 rows with
-one bf16 scale each (:class:`Int8Weight`): the lookup dequantizes the selected rows and a tied
-head multiplies on the same bytes (llmserve's native int8 kernels, with int8 activations where
-the linear method has them: ``--int4-activations``), so the table is held once at 1 byte per
-weight. A float table stays dense in the model dtype.
+A GGUF file's block-quantized table (given raw by a quantized load) is held once, and a tied
+head multiplies on the same bytes:
+
+- a K-quant or 5-bit table (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: a Q4_K_M file's Q6_K table) stays
+  in its own blocks where the linear method runs the block kernel (:class:`QBlockTable`,
+  ``block_tables``): the lookup decodes the selected rows, gguf's own values;
+- any other (Q8_0, Q4_0, ..., or without the block kernel) becomes int8 rows with one bf16
+  scale each (:class:`Int8Weight`): the lookup dequantizes the selected rows, the head runs
+  llmserve's native int8 kernels, with int8 activations where the linear method has them
+  (``--int4-activations``).
+
+A float table stays dense in the model dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +27,18 @@ from llmserve.model.layers.native_dense import bf16_mm, can_pack_native, pack_bf
 from llmserve.model.loading.gguf import RawGGUFTensor
 
 _QUANT_CHUNK_ROWS = 4096
+#: GGUF table types kept in their own blocks where the block kernel runs: those the int8 rows
+#: would hold in more bytes than the file (Q8_0 stays int8 rows, as small and as exact)
+_BLOCK_TABLE_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"})
+
+
+def _block_table(raw: RawGGUFTensor, device: torch.device):
+    """The table in its file's blocks, or None where they cannot be kept (non-finite scales)."""
+    from llmserve.model.quant.block_codes import to_block_codes
+    from llmserve.model.quant.native_qblock import QBlockTable
+
+    codes = to_block_codes(raw, q4_k=True)
+    return None if codes is None else QBlockTable(codes).to(device)
 
 
 def _int8_table(raw: RawGGUFTensor, device: torch.device):
@@ -40,9 +59,11 @@ class VocabEmbedding(nn.Module):
     (or int8 rows when loaded from a block-quantized GGUF tensor)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, block_table: bool = False) -> None:
         super().__init__()
         self.shape = (vocab_size, hidden_size)
+        #: a K-quant/5-bit GGUF table stays in its blocks (the linear method's block_tables)
+        self.block_table = block_table
         self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
@@ -60,7 +81,10 @@ class VocabEmbedding(nn.Module):
         if isinstance(tensor, RawGGUFTensor):
             device = self.weight.device
             self.weight = None
-            self.qweight = _int8_table(tensor, device)
+            if self.block_table and tensor.qtype.name in _BLOCK_TABLE_TYPES:
+                self.qweight = _block_table(tensor, device)
+            if self.qweight is None:
+                self.qweight = _int8_table(tensor, device)
             return
         if self.weight is None:
             raise ValueError("embedding loaded twice")

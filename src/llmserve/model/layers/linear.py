@@ -36,6 +36,9 @@ class LinearMethod(ABC):
     #: True: the loader hands this method a GGUF file's quantized matrices as raw blocks
     #: (``RawGGUFTensor``) instead of dequantized float32.
     wants_raw_gguf = False
+    #: True: a GGUF token table of a K-quant or 5-bit type stays in its own blocks
+    #: (``QBlockTable``, the block kernel's head) rather than becoming int8 rows.
+    block_tables = False
 
     @abstractmethod
     def create_weights(self, layer: "Linear", dtype: torch.dtype, device: torch.device) -> None:

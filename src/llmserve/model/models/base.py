@@ -185,7 +185,8 @@ class CausalLM(nn.Module, ABC):
                  dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                                           block_table=method.block_tables)
         self.embed_scale = None
         if self.embed_scale_by_sqrt_hidden:   # rounded to the model dtype, as transformers does
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))

@@ -8,8 +8,9 @@ Seven operators, ``torch.ops.llmserve_native``:
   pack the weights and document the layouts);
 - ``int4_a8_mm`` / ``int8_a8_mm``: the same int4 / int8 weights x activation rows quantized
   to int8 in blocks of 32, by ``vpdpbusd`` (they also need AVX512-VNNI: ``a8_supported``);
-- ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q5_K/Q6_K weights in their own codes and scales x
-  the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too);
+- ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their own codes and scales
+  x the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too), and
+  ``qblock_rows``: rows of such a table decoded to float32 (a tied table's embedding lookup);
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
   (:mod:`llmserve.model.attention.native_decode`).
 
@@ -179,6 +180,11 @@ def _fake_qblock_mm(x: torch.Tensor, packed: torch.Tensor, sub: torch.Tensor,
                        dtype=torch.float32 if float_out else x.dtype)
 
 
+def _fake_qblock_rows(ids: torch.Tensor, packed: torch.Tensor, sub: torch.Tensor,
+                      sup: "torch.Tensor | None", bits: int, mode: int) -> torch.Tensor:
+    return ids.new_empty(ids.shape[0], sub.shape[1] * 32, dtype=torch.float32)
+
+
 def _fake_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, valid: torch.Tensor, scale: float,
                        softcap: float) -> torch.Tensor:
@@ -214,6 +220,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::int8_a8_mm")(_fake_int8_mm)
             torch.library.register_fake("llmserve_native::bf16_mm")(_fake_bf16_mm)
             torch.library.register_fake("llmserve_native::qblock_a8_mm")(_fake_qblock_mm)
+            torch.library.register_fake("llmserve_native::qblock_rows")(_fake_qblock_rows)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels

@@ -16,8 +16,10 @@ An explicit int8/int4 with a float32 model converts activations to bf16 around e
 quantized product. ``--int4-activations`` (EngineConfig.int4_activations) says what meets the
 int4 codes: ``int8`` rows quantized in blocks of 32 (llama.cpp's Q4 x Q8 arithmetic, on
 AVX512-VNNI), ``bf16`` the activations as they are; ``auto`` is int8 where the kernel runs.
-The same choice holds for a GGUF file's tied embedding table, kept as int8 rows: with int8
-activations the LM head multiplies by ``int8_a8_mm`` (``embedding:int8-a8`` in the name).
+The same choice holds for a GGUF file's tied embedding table kept as int8 rows: with int8
+activations the LM head multiplies by ``int8_a8_mm`` (``embedding:int8-a8`` in the name); a
+K-quant or 5-bit table stays in its blocks where the block kernel runs
+(``embedding:gguf-q6_k-a8``, layers/embedding.py).
 The kernels are CPU-only; other devices need ``none``.
 See docs/QUANTIZATION.md for formats, kernels, errors and figures.
 """
@@ -122,7 +124,7 @@ def describe_quantization(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, VocabEmbedding):
             q = module.qweight
-            embedding = "dense" if q is None else "int8-a8" if q.int8_activations else "int8"
+            embedding = "dense" if q is None else q.format_name
     linear = ",".join(f"{k}x{v}" for k, v in sorted(linear_formats(model).items()))
     return f"linear:{linear};embedding:{embedding}"
 

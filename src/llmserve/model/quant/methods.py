@@ -9,16 +9,18 @@ tensor (a float tensor, a :class:`RawGGUFTensor` of a GGUF file, or a GPTQ/AWQ l
 
     checkpoint tensor --decode--> shard --(all shards in)--> choose format --> pack
        Q4_0/Q4_1/Q4_K, GPTQ/AWQ     Int4Groups (exact)            int4 | int8 | dense
+       Q4_K (block kernels), Q5_*,  BlockCodes (the file's own)   qblock | split
+         Q6_K, Q8_0
        other GGUF types, HF floats  float32 values
 
 Which format a layer gets:
 
     Int4LinearMethod(g)   int4 group g; exact int4 shards of group g are kept, the rest RTN
     Int8LinearMethod      int8 per channel (RTN of the float values)
-    GGUFLinearMethod      what the file holds: int4 when every shard is a 4-bit type, dense
+    GGUFLinearMethod      what the file holds: int4 when every shard is Q4_0/Q4_1, dense
                           when any shard is a float type (F32/F16/BF16); with int8
-                          activations (AVX512-VNNI) Q8_0/Q5_0/Q5_1/Q5_K/Q6_K keep their own
-                          codes and scales (``gguf-q5_k-a8``: native_qblock.py) and a fused
+                          activations (AVX512-VNNI) Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K keep their
+                          own codes and scales (``gguf-q5_k-a8``: native_qblock.py) and a fused
                           mix (Q4_K q/k + Q6_K v) is split into one product per format;
                           otherwise (bf16 activations, no VNNI, Q2_K/Q3_K/IQ*) int8 per
                           channel, a second rounding (the load log counts such layers)
@@ -90,20 +92,21 @@ class Shard:
 CheckpointTensor = Union[torch.Tensor, RawGGUFTensor, PackedInt4Tensor]
 
 
-def decode_shard(tensor: CheckpointTensor) -> Shard:
-    """Turn a checkpoint tensor into a :class:`Shard` without a dense detour where possible."""
+def decode_shard(tensor: CheckpointTensor, q4_k_blocks: bool = False) -> Shard:
+    """Turn a checkpoint tensor into a :class:`Shard` without a dense detour where possible
+    (a Q4_K tensor as block codes with ``q4_k_blocks``, else as int4 groups)."""
     if isinstance(tensor, PackedInt4Tensor):
         groups = checkpoint_int4_groups(tensor)
         if groups is not None:
             return Shard(EXACT_INT4, groups)
         return Shard(OTHER_QUANT, tensor.dequantize(), tensor.scheme.method)
     if isinstance(tensor, RawGGUFTensor):
+        codes = to_block_codes(tensor, q4_k=q4_k_blocks)
+        if codes is not None:
+            return Shard(BLOCKS, codes)
         groups = to_int4_groups(tensor)
         if groups is not None:
             return Shard(EXACT_INT4, groups)
-        codes = to_block_codes(tensor)
-        if codes is not None:
-            return Shard(BLOCKS, codes)
         return Shard(OTHER_QUANT, dequantize_raw(tensor), tensor.qtype.name)
     return Shard(FLOAT, tensor.float())
 
@@ -116,6 +119,8 @@ class QuantizedLinearMethod(LinearMethod):
     wants_raw_gguf = True
     #: exact int4 shards keep their own group size (a checkpoint's), not int4_group_size()
     keeps_stored_groups = False
+    #: Q4_K tensors are decoded as block codes (the block kernel's 4-bit mode), not int4 groups
+    q4_k_blocks = False
 
     def __init__(self, int8_activations: bool = False) -> None:
         self.dense = DenseLinearMethod()
@@ -161,7 +166,7 @@ class QuantizedLinearMethod(LinearMethod):
         if tuple(tensor.shape) != (rows, layer.input_size):
             raise ValueError(f"weight: checkpoint shape {tuple(tensor.shape)} does not fit "
                              f"{(rows, layer.input_size)} (shard {shard})")
-        layer.staged[-1 if shard is None else shard] = decode_shard(tensor)
+        layer.staged[-1 if shard is None else shard] = decode_shard(tensor, self.q4_k_blocks)
         if -1 in layer.staged or len(layer.staged) == len(layer.output_sizes):
             self._pack(layer)
 
@@ -272,13 +277,19 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
 
 class GGUFLinearMethod(QuantizedLinearMethod):
-    """Keep what the GGUF file holds: 4-bit types as exact int4; with int8 activations the
-    5/6/8-bit types in their own blocks (mixed fused layers split by format); the rest int8."""
+    """Keep what the GGUF file holds: Q4_0/Q4_1 as exact int4; with int8 activations the
+    K-quants and 5/8-bit types in their own blocks (mixed fused layers split by format);
+    without them Q4_K as int4 groups and the rest int8."""
 
     def __init__(self, int8_activations: bool = False) -> None:
         super().__init__(int8_activations)
         #: the block kernels run here (int8 activations, VNNI, self-test passed)
         self.block_kernels = int8_activations and native_qblock_available()
+        #: Q4_K in its own blocks (4.625 bits a weight, exact) rather than int4 groups of 32
+        #: with an fp16 scale and zero each (5 bits, the zero rounded)
+        self.q4_k_blocks = self.block_kernels
+        #: a K-quant/5-bit embedding table (and tied head) in its own blocks too
+        self.block_tables = self.block_kernels
         #: layers per GGUF type that were dequantized and requantized to int8 per channel
         self.requantized: Counter = Counter()
 

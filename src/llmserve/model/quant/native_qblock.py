@@ -1,11 +1,13 @@
-"""GGUF 5/6/8-bit block weights on llmserve's int8-activation kernel (``qblock_a8_mm``).
+"""GGUF block weights on llmserve's int8-activation kernel (``qblock_a8_mm``).
 
-:class:`QBlockWeight` holds a Q8_0, Q5_0, Q5_1, Q5_K or Q6_K matrix in the file's own codes
-and scales (:mod:`~llmserve.model.quant.block_codes`), packed once for
+:class:`QBlockWeight` holds a Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K matrix in the file's own
+codes and scales (:mod:`~llmserve.model.quant.block_codes`), packed once for
 ``model/native/csrc/qblock_int8_gemm.cpp``, whose comment documents the layout: strips of 16
 output channels, per block of 32 k's a nibble plane (as the int4 x int8 kernel's) plus one bit
 plane per bit above 4 (8-bit codes: plain bytes). Resident bits per weight: Q8_0 8.5,
-Q5_0 5.5, Q5_1 6, Q5_K 5.75 (file 5.5), Q6_K 6.625 (file 6.5625): within 5% of the file.
+Q5_0 5.5, Q5_1 6, Q4_K 4.625 (file 4.5), Q5_K 5.625 (file 5.5), Q6_K 6.5625 (the file's):
+within 3% of the file. :class:`QBlockTable` is such a weight used as a token table too (a
+tied K-quant embedding: the lookup decodes the selected rows from the packed strips).
 
 Activations are quantized by rows in blocks of 32, as for the int4 weights' default path, so
 the kernel needs AVX512-VNNI (:func:`native_qblock_available`); where it is missing, or with
@@ -48,6 +50,14 @@ def _bit_plane(u: torch.Tensor, bit: int) -> torch.Tensor:
     return packed.view(n // STRIP, k // BLOCK, 64)
 
 
+def _as_f16(sup: torch.Tensor) -> torch.Tensor:
+    """Super-block scales as the file's fp16 (a float32 tensor must hold fp16 values)."""
+    half = sup.half()
+    if sup.dtype != torch.float16 and not torch.equal(half.to(sup.dtype), sup):
+        raise ValueError("super-block scales must be float16 values (GGUF stores them so)")
+    return half
+
+
 def pack_qblock(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(packed uint8 (N/16, K/32 * 64 * bits), sub (N/16, K/32, 2, 16), sup)`` for the
     kernel; N is padded to 16 with zero rows (zero scales: their outputs are 0)."""
@@ -65,7 +75,7 @@ def pack_qblock(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, Optional
         planes = [_bit_plane(u, 4 + p) for p in range(codes.bits - 4)]
         packed = torch.cat([nib, *planes], -1).reshape(strips, -1)
     sub = _strips(codes.sub, pad)
-    sup = None if codes.sup is None else _strips(codes.sup.float(), pad)
+    sup = None if codes.sup is None else _strips(_as_f16(codes.sup), pad)
     return packed.contiguous(), sub, sup
 
 
@@ -86,8 +96,8 @@ def _self_test() -> bool:
     """Each (bits, mode) against its float64 reference, so a miscompiled kernel is never used."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 512, generator=gen).bfloat16()
-    for bits, mode in ((8, MODE_F16S), (5, MODE_F16S), (5, MODE_F16), (5, MODE_K32),
-                       (6, MODE_K16)):
+    for bits, mode in ((8, MODE_F16S), (5, MODE_F16S), (5, MODE_F16), (4, MODE_K32),
+                       (5, MODE_K32), (6, MODE_K16)):
         u = torch.randint(0, 1 << bits, (32, 512), generator=gen, dtype=torch.uint8)
         if mode == MODE_F16S:
             sub, sup = (torch.rand(32, 16, 1, generator=gen) * 0.01).half(), None
@@ -98,7 +108,7 @@ def _self_test() -> bool:
         else:
             sub = torch.randint(-60 if mode == MODE_K16 else 0, 64, (32, 16, 2), generator=gen)
             sub = sub.to(torch.int8 if mode == MODE_K16 else torch.uint8)
-            sup = torch.rand(32, 2, 2 if mode == MODE_K32 else 1, generator=gen) * 0.001
+            sup = (torch.rand(32, 2, 2 if mode == MODE_K32 else 1, generator=gen) * 0.001).half()
         codes = BlockCodes("test", u, bits, mode, sub, sup)
         y = qblock_a8_mm(x, *pack_qblock(codes), bits, mode, float_out=True).double()
         ref = qblock_reference(x, codes)
@@ -155,6 +165,27 @@ class QBlockWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qtype} x int8 activations, {self.out_features}x{self.in_features}"
+
+
+class QBlockTable(QBlockWeight):
+    """A block weight that is also a token table (a tied embedding kept in the file's
+    K-quant or 5-bit blocks): :meth:`logits` is the LM head's product and :meth:`rows` the
+    embedding lookup, which decodes the selected rows from the packed strips (gguf's own
+    values: no second rounding; ``llmserve_native::qblock_rows``), so the table is held
+    once, at the file's size."""
+
+    #: the head's product always quantizes its activations (the block kernel's arithmetic)
+    int8_activations = True
+
+    def with_int8_activations(self) -> "QBlockTable":
+        return self
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the table, dequantized to ``dtype`` (an embedding lookup)."""
+        flat = ids.reshape(-1).long()
+        rows = torch.ops.llmserve_native.qblock_rows(flat, self.qweight, self.sub, self.sup,
+                                                     self.bits, self.mode)
+        return rows.to(dtype).view(*ids.shape, self.in_features)
 
 
 class SplitWeight(nn.Module):

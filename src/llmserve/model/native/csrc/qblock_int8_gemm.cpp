@@ -1,4 +1,4 @@
-// GGUF block-quantized weights (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) x int8 activations for
+// GGUF block-quantized weights (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) x int8 activations for
 // AVX512-VNNI CPUs: llmserve_native::qblock_a8_mm.
 //
 // The weights keep their file's codes and scales (an exact re-layout, no second rounding);
@@ -10,10 +10,10 @@
 //        y += (scale * s) * dot + min * (s * sum(c))
 //   mode 3 (f16s, Q8_0 / Q5_0)         w = d (u - 2^(BITS-1))       fp16 d per block
 //        y += (d * s) * (dot - 2^(BITS-1) sum(c))
-//   mode 1 (k32, Q5_K)                 w = d sc u - dmin mn         uint8 sc, mn per block,
-//        y += (d sc s) * dot - (dmin mn) * (s * sum(c))             fp32 d, dmin per 256 k's
+//   mode 1 (k32, Q4_K / Q5_K)          w = d sc u - dmin mn         uint8 sc, mn per block,
+//        y += (d sc s) * dot - (dmin mn) * (s * sum(c))             fp16 d, dmin per 256 k's
 //   mode 2 (k16, Q6_K)                 w = d sc_h (u - 32)          int8 sc_h per 16 k's,
-//        y += (d sc_h s) * (dot_h - 32 sum_h(c))   (h: block half)  fp32 d per 256 k's
+//        y += (d sc_h s) * (dot_h - 32 sum_h(c))   (h: block half)  fp16 d per 256 k's
 //
 // d * sc is formed in float32, where it is exact (11 x 8 significant bits), so the weights
 // are the values gguf's own dequantizer gives. Rows are independent and every row count runs
@@ -22,13 +22,14 @@
 // Weight layout (packed once at load by llmserve.model.quant.native_qblock.pack_qblock):
 //   strips of 16 output channels; per strip, K/32 blocks of 64 * BITS bytes:
 //   BITS 8:     8 quads of 64 bytes: byte 4c + j of quad o = u[16s + c][32b + 4o + j]
-//   BITS 5, 6:  4 octets of 64 nibble bytes (int4_int8_gemm.cpp's layout: low nibble of
+//   BITS 4-6:   4 octets of 64 nibble bytes (int4_int8_gemm.cpp's layout: low nibble of
 //               byte 4c + j = bits 0-3 of u[c][8o + j], high nibble = those of u[c][8o+4+j]),
 //               then BITS - 4 planes of 64 bytes: plane p, octet o, half v (low/high
 //               nibbles): 8 bytes whose bit 4c + j is bit 4 + p of that code.
 //   sub:  (strips, K/32, 2, 16): fp16 (scale, min) | uint8 (sc, mn) | int8 (sc_0, sc_1);
 //         (strips, K/32, 1, 16) fp16 d for mode 3
-//   sup:  (strips, K/256, 2, 16) fp32 (d, dmin) for mode 1, (strips, K/256, 1, 16) (d) for 2
+//   sup:  (strips, K/256, 2, 16) fp16 (d, dmin) for mode 1, (strips, K/256, 1, 16) (d) for 2
+//         (the file's own fp16 values: bits per weight Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625)
 // Row tiles of up to 8 rows share each unpacked vector; strips split over threads, each
 // strip's tiles prefetching the next strip (next_strip_prefetch.h).
 #include <ATen/Parallel.h>
@@ -65,6 +66,10 @@ inline __m512 u8x16_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+inline __m512 f16x16_ps(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 inline __m512 i8x16_ps(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -72,7 +77,7 @@ inline __m512 i8x16_ps(const int8_t* p) {
 struct Strip {
   const uint8_t* w;     // this strip's packed codes
   const void* sub;      // this strip's per-block scales
-  const float* sup;     // this strip's per-super-block scales (modes 1, 2)
+  const uint16_t* sup;  // this strip's fp16 per-super-block scales (modes 1, 2)
 };
 
 struct Rows {
@@ -84,45 +89,55 @@ struct Rows {
   const int32_t* xh;    // (rows, blocks, 2) half sums of codes
 };
 
-// The int32 dots of ROWS rows with one block of one strip, in two accumulators: by block
-// half when HALVES (the k16 mode's two scales), else two chains that hide vpdpbusd's latency.
-template <int BITS, bool HALVES, int ROWS>
+// The int32 dots of ROWS rows with units [U0, U1) of one block of one strip (a unit: 4 k's
+// of 8-bit codes, 8 k's of 4-6-bit ones), in two chains that hide vpdpbusd's latency for up
+// to 3 rows, and one chain a row from 4 rows (the rows are independent chains already, and
+// 16 accumulators beside 8 outputs would spill). The int32 sums are exact: the chains never
+// change a result. The k16 mode calls this once per block half, each with its own scale.
+template <int BITS, int U0, int U1, int ROWS>
 __attribute__((target("avx512vnni"))) inline void block_dots(const uint8_t* wb,
                                                              const int8_t* xq, int64_t ldx,
                                                              int64_t k0,
-                                                             __m512i (&acc)[ROWS][2]) {
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+                                                             __m512i (&acc)[ROWS]) {
+  constexpr bool kTwoChains = ROWS <= 3;
+  __m512i acc2[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm512_setzero_si512();
   if constexpr (BITS == 8) {
 #pragma GCC unroll 8
-    for (int o = 0; o < 8; ++o) {
+    for (int o = U0; o < U1; ++o) {
       const __m512i v = _mm512_loadu_si512(wb + 64 * o);
-      const int a = HALVES ? o >> 2 : o & 1;
-      for (int r = 0; r < ROWS; ++r)
-        acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], v, broadcast4(xq + r * ldx + k0 + 4 * o));
+      for (int r = 0; r < ROWS; ++r) {
+        __m512i& a = kTwoChains && (o & 1) ? acc2[r] : acc[r];
+        a = _mm512_dpbusd_epi32(a, v, broadcast4(xq + r * ldx + k0 + 4 * o));
+      }
     }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const uint8_t* planes = wb + 256;
 #pragma GCC unroll 4
-    for (int o = 0; o < 4; ++o) {
+    for (int o = U0; o < U1; ++o) {
       const __m512i v = _mm512_loadu_si512(wb + 64 * o);
       __m512i lo = _mm512_and_si512(v, low4);
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      lo = _mm512_mask_add_epi8(lo, load_mask(planes + 16 * o), lo, _mm512_set1_epi8(16));
-      hi = _mm512_mask_add_epi8(hi, load_mask(planes + 16 * o + 8), hi, _mm512_set1_epi8(16));
+      if constexpr (BITS >= 5) {
+        lo = _mm512_mask_add_epi8(lo, load_mask(planes + 16 * o), lo, _mm512_set1_epi8(16));
+        hi = _mm512_mask_add_epi8(hi, load_mask(planes + 16 * o + 8), hi, _mm512_set1_epi8(16));
+      }
       if constexpr (BITS == 6) {
         lo = _mm512_mask_add_epi8(lo, load_mask(planes + 64 + 16 * o), lo, _mm512_set1_epi8(32));
         hi = _mm512_mask_add_epi8(hi, load_mask(planes + 64 + 16 * o + 8), hi,
                                   _mm512_set1_epi8(32));
       }
-      const int a = HALVES ? o >> 1 : 0, b = HALVES ? o >> 1 : 1;
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* xr = xq + r * ldx + k0 + 8 * o;
-        acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], lo, broadcast4(xr));
-        acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], hi, broadcast4(xr + 4));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
+        __m512i& b = kTwoChains ? acc2[r] : acc[r];
+        b = _mm512_dpbusd_epi32(b, hi, broadcast4(xr + 4));
       }
     }
   }
+  if constexpr (kTwoChains)
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);
 }
 
 // ROWS activation rows x one strip.
@@ -134,56 +149,68 @@ __attribute__((target("avx512vnni"))) void strip_rows(Strip st, Rows x, int64_t 
   constexpr int64_t kBlockBytes = 64 * BITS;
   __m512 out[ROWS];
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
+  __m512 sup0 = _mm512_setzero_ps(), sup1 = _mm512_setzero_ps();   // a super-block's d, dmin
   for (int64_t b = 0; b < blocks; ++b) {
     llmserve_native::prefetch_share(next, next_bytes, t, blocks, b, pf_lines);
-    __m512i acc[ROWS][2];
-    block_dots<BITS, MODE == kK16, ROWS>(st.w + b * kBlockBytes, x.xq, x.ldx, b * kQuantBlock,
-                                         acc);
+    if constexpr (MODE == kK32 || MODE == kK16) {
+      if (b % kSuperBlocks == 0) {
+        const uint16_t* dd = st.sup + (b / kSuperBlocks) * (MODE == kK32 ? 2 : 1) * kStrip;
+        sup0 = f16x16_ps(dd);
+        if constexpr (MODE == kK32) sup1 = f16x16_ps(dd + kStrip);
+      }
+    }
+    constexpr int kUnits = BITS == 8 ? 8 : 4;
+    const uint8_t* wb = st.w + b * kBlockBytes;
+    const int64_t k0 = b * kQuantBlock;
+    __m512i acc[ROWS];
+    if constexpr (MODE != kK16) block_dots<BITS, 0, kUnits, ROWS>(wb, x.xq, x.ldx, k0, acc);
     if constexpr (MODE == kF16S) {
       const uint16_t* dp = static_cast<const uint16_t*>(st.sub) + b * kStrip;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp)));
+      const __m512 d = f16x16_ps(dp);
       constexpr int32_t kOffset = 1 << (BITS - 1);
       for (int r = 0; r < ROWS; ++r) {
         const int64_t rb = r * blocks + b;
-        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]),
-                                             _mm512_set1_epi32(kOffset * x.xsum[rb]));
+        const __m512i dot = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(kOffset * x.xsum[rb]));
         out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.xs[rb])),
                                  out[r]);
       }
     } else if constexpr (MODE == kF16) {
       const uint16_t* sm = static_cast<const uint16_t*>(st.sub) + b * 2 * kStrip;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-      const __m512 min =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kStrip)));
+      const __m512 scale = f16x16_ps(sm);
+      const __m512 min = f16x16_ps(sm + kStrip);
       for (int r = 0; r < ROWS; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
+        const __m512 dot = _mm512_cvtepi32_ps(acc[r]);
         const int64_t rb = r * blocks + b;
         out[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])), out[r]);
         out[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[r]);
       }
     } else if constexpr (MODE == kK32) {
       const uint8_t* sm = static_cast<const uint8_t*>(st.sub) + b * 2 * kStrip;
-      const float* dd = st.sup + (b / kSuperBlocks) * 2 * kStrip;
-      const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(dd), u8x16_ps(sm));
-      const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(dd + kStrip), u8x16_ps(sm + kStrip));
+      const __m512 scale = _mm512_mul_ps(sup0, u8x16_ps(sm));
+      const __m512 min = _mm512_mul_ps(sup1, u8x16_ps(sm + kStrip));
       for (int r = 0; r < ROWS; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
+        const __m512 dot = _mm512_cvtepi32_ps(acc[r]);
         const int64_t rb = r * blocks + b;
         out[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])), out[r]);
         out[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[r]);
       }
-    } else {
+    } else {   // k16: each half of the block with its own scale, in order
       const int8_t* sm = static_cast<const int8_t*>(st.sub) + b * 2 * kStrip;
-      const __m512 d = _mm512_loadu_ps(st.sup + (b / kSuperBlocks) * kStrip);
-      const __m512 scale0 = _mm512_mul_ps(d, i8x16_ps(sm));
-      const __m512 scale1 = _mm512_mul_ps(d, i8x16_ps(sm + kStrip));
+      const __m512 scale0 = _mm512_mul_ps(sup0, i8x16_ps(sm));
+      block_dots<BITS, 0, 2, ROWS>(wb, x.xq, x.ldx, k0, acc);
       for (int r = 0; r < ROWS; ++r) {
         const int64_t rb = r * blocks + b;
-        const __m512 s = _mm512_set1_ps(x.xs[rb]);
-        const __m512i d0 = _mm512_sub_epi32(acc[r][0], _mm512_set1_epi32(32 * x.xh[2 * rb]));
-        const __m512i d1 = _mm512_sub_epi32(acc[r][1], _mm512_set1_epi32(32 * x.xh[2 * rb + 1]));
-        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(scale0, s), out[r]);
-        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(scale1, s), out[r]);
+        const __m512i d0 = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * x.xh[2 * rb]));
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
+                                 _mm512_mul_ps(scale0, _mm512_set1_ps(x.xs[rb])), out[r]);
+      }
+      const __m512 scale1 = _mm512_mul_ps(sup0, i8x16_ps(sm + kStrip));
+      block_dots<BITS, 2, 4, ROWS>(wb, x.xq, x.ldx, k0, acc);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t rb = r * blocks + b;
+        const __m512i d1 = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * x.xh[2 * rb + 1]));
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
+                                 _mm512_mul_ps(scale1, _mm512_set1_ps(x.xs[rb])), out[r]);
       }
     }
   }
@@ -212,6 +239,7 @@ const StripFn* row_fns(int64_t bits, int64_t mode) {
   if (bits == 8 && mode == kF16S) return kRowFns<8, kF16S>;
   if (bits == 5 && mode == kF16S) return kRowFns<5, kF16S>;
   if (bits == 5 && mode == kF16) return kRowFns<5, kF16>;
+  if (bits == 4 && mode == kK32) return kRowFns<4, kK32>;
   if (bits == 5 && mode == kK32) return kRowFns<5, kK32>;
   if (bits == 6 && mode == kK16) return kRowFns<6, kK16>;
   return nullptr;
@@ -244,11 +272,11 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   const at::ScalarType sub_type = per_block ? at::kHalf : mode == kK32 ? at::kByte : at::kChar;
   const int64_t sub_rows = mode == kF16S ? 1 : 2;
   check_scales(sub, sub_type, strips, blocks, sub_rows, "sub");
-  const float* supp = nullptr;
+  const uint16_t* supp = nullptr;
   if (!per_block) {
     TORCH_CHECK(sup.has_value(), "qblock_a8_mm: mode ", mode, " needs super-block scales");
-    check_scales(*sup, at::kFloat, strips, blocks / kSuperBlocks, mode == kK32 ? 2 : 1, "sup");
-    supp = sup->data_ptr<float>();
+    check_scales(*sup, at::kHalf, strips, blocks / kSuperBlocks, mode == kK32 ? 2 : 1, "sup");
+    supp = reinterpret_cast<const uint16_t*>(sup->data_ptr());
   }
   const int64_t n = strips * kStrip;
   at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
@@ -267,7 +295,7 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const char* subp = static_cast<const char*>(sub.data_ptr());
   const int64_t sub_bytes = blocks * sub_rows * kStrip * sub.element_size();
-  const int64_t sup_floats = blocks / kSuperBlocks * (mode == kK32 ? 2 : 1) * kStrip;
+  const int64_t sup_halves = blocks / kSuperBlocks * (mode == kK32 ? 2 : 1) * kStrip;
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t out_bytes = float_out ? 4 : 2, strip_bytes = blocks * block_bytes;
   const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
@@ -275,7 +303,7 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const Strip st{wp + s * strip_bytes, subp + s * sub_bytes,
-                     supp == nullptr ? nullptr : supp + s * sup_floats};
+                     supp == nullptr ? nullptr : supp + s * sup_halves};
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t r0 = t * kMaxRows;
         const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
