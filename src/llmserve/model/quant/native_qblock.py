@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,10 +45,9 @@ def _bit_plane(u: torch.Tensor, bit: int) -> torch.Tensor:
     4c + j is ``bit`` of the code the kernel's nibble byte 4c + j holds."""
     n, k = u.shape
     bits = ((u >> bit) & 1).view(n // STRIP, STRIP, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
-    bits = bits.reshape(n // STRIP, k // 8, 2, 8, 8).to(torch.int32)
-    weights = (1 << torch.arange(8, dtype=torch.int32))
-    packed = (bits * weights).sum(-1).to(torch.uint8)            # (S, K/8, 2, 8)
-    return packed.view(n // STRIP, k // BLOCK, 64)
+    bits = bits.reshape(n // STRIP, k // 8, 2, 64).numpy()
+    packed = np.packbits(bits, axis=-1, bitorder="little")      # (S, K/8, 2, 8)
+    return torch.from_numpy(packed).view(n // STRIP, k // BLOCK, 64)
 
 
 def _as_f16(sup: torch.Tensor) -> torch.Tensor:
