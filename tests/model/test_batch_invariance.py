@@ -37,9 +37,9 @@ def gguf_path(tmp_path_factory):
     return make_tiny_gguf(hf, str(root / "tiny-q4_1.gguf"), quant="Q4_1", with_tokenizer=True)
 
 
-def engine(path: str, max_num_seqs: int = 16, **kw) -> LLM:
-    return LLM(path, dtype="bfloat16", quantization="auto", num_kv_blocks=512, block_size=16,
-               max_num_seqs=max_num_seqs, enforce_eager=False, **kw)
+def engine(path: str, max_num_seqs: int = 16, num_kv_blocks: int = 512, **kw) -> LLM:
+    return LLM(path, dtype="bfloat16", quantization="auto", num_kv_blocks=num_kv_blocks,
+               block_size=16, max_num_seqs=max_num_seqs, enforce_eager=False, **kw)
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams,

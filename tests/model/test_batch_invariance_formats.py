@@ -3,7 +3,8 @@ format", batches "of 1-64"): a request's greedy tokens and sampled rows' logits,
 are the same alone, inside batches of up to 64 requests and with its prompt chunked, for
 GGUFs whose layers are Q4_K / Q5_K / Q6_K blocks (the GGUF block kernel with int8
 activations where the CPU has VNNI; elsewhere Q4_K as int4 groups, the others int8 per
-channel), a tied Q6_K table (its head on the block kernel, its lookup decoding rows), a wide
+channel), a tied Q6_K table (its head on the block kernel, its lookup decoding rows; with
+Q4_K layers also after a prefix-cache hit, preemption and suffix drafts), a wide
 attention group (seven query heads over one KV head), and on the forced avx2 tier; compiled
 decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py,
 whose helpers these tests share.
@@ -48,6 +49,34 @@ def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp
     chunked = engine(path, max_num_batched_tokens=16, enable_prefix_caching=False)
     got = run(chunked, TARGETS + MANY_FILLERS[:4], GREEDY)
     assert_same(alone, (got[0][:4], got[1][:4]), f"{quant}: chunks of 16 tokens")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_q4_k_m_like_file_gives_the_same_tokens_after_prefix_hits_preemption_and_drafts(
+        tmp_path, params):
+    """Q4_K layers and a tied Q6_K table (a Q4_K_M file of Llama-3.2-1B or Qwen3: the block
+    kernel's 4-bit mode, its Q6_K head, the lookup decoding rows from the head's blocks):
+    tokens and logits alone equal those after a prefix-cache hit, after preemption and
+    recompute, and with suffix-decoding drafts verified, bit for bit."""
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
+                              num_heads=4, num_kv_heads=2, seed=29, tie=True)
+    path = make_tiny_gguf(hf, str(tmp_path / "tiny-q4_k_m.gguf"), quant="Q4_K",
+                          embedding_quant="Q6_K", with_tokenizer=True)
+    plain = engine(path, enable_prefix_caching=False)
+    alone = [run(plain, [p], params) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    cached = engine(path, enable_prefix_caching=True)
+    run(cached, TARGETS, params)
+    got = run(cached, TARGETS, params)
+    assert cached.engine.get_stats().prefix_hit_tokens > 0
+    assert_same(alone, got, "Q4_K + Q6_K table: after a prefix-cache hit")
+    tight = engine(path, enable_prefix_caching=False, num_kv_blocks=20)
+    got = run(tight, TARGETS + MANY_FILLERS[:8], params)
+    assert tight.engine.get_stats().num_preemptions > 0
+    assert_same(alone, (got[0][:4], got[1][:4]), "Q4_K + Q6_K table: after preemption")
+    spec = engine(path, enable_prefix_caching=False, speculative_method="suffix",
+                  num_speculative_tokens=3)
+    assert_same(alone, run(spec, TARGETS, params), "Q4_K + Q6_K table: with suffix drafts")
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
