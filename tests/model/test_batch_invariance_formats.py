@@ -26,17 +26,22 @@ def test_k_quant_files_give_the_same_tokens_alone_and_in_batches_of_up_to_64(tmp
     from llmserve.model.quant.native_qblock import native_qblock_available
 
     # the Q6_K file ties its head to a Q6_K table (a Q4_K_M file's): the lookup decodes
-    # rows from the head's packed blocks inside the compiled graph
+    # rows from the head's packed blocks inside the compiled graph; the Q5_K file has an
+    # untied Q6_K table, only looked up
     hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
                               num_heads=4, num_kv_heads=2, seed=17, tie=quant == "Q6_K")
     path = make_tiny_gguf(hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant,
-                          with_tokenizer=True, embedding_quant="Q6_K" if quant == "Q6_K" else None)
+                          with_tokenizer=True,
+                          embedding_quant="Q6_K" if quant in ("Q5_K", "Q6_K") else None)
     llm = engine(path, max_num_seqs=64, enable_prefix_caching=False)
     assert llm.engine.runner.compiled is not None
     if native_qblock_available():   # every K-quant in its own blocks
         assert f"gguf-{quant.lower()}-a8" in llm.engine.runner.quantization
+        plan = llm.engine.runner.kernel_plan
+        if quant in ("Q5_K", "Q6_K"):
+            assert plan["embedding"] == "gguf-q6_k"
         if quant == "Q6_K":
-            assert llm.engine.runner.kernel_plan["lm_head"] == "tied:gguf-q6_k-a8"
+            assert plan["lm_head"] == "tied:gguf-q6_k-a8"
     elif quant == "Q4_K":   # the int4 kernels, an exact re-layout of its sub-blocks
         assert "linear:int4-g32" in llm.engine.runner.quantization
     alone = [run(llm, [p], GREEDY) for p in TARGETS]
@@ -62,7 +67,13 @@ def test_a_q4_k_m_like_file_gives_the_same_tokens_after_prefix_hits_preemption_a
                               num_heads=4, num_kv_heads=2, seed=29, tie=True)
     path = make_tiny_gguf(hf, str(tmp_path / "tiny-q4_k_m.gguf"), quant="Q4_K",
                           embedding_quant="Q6_K", with_tokenizer=True)
+    from llmserve.model.quant.native_qblock import native_qblock_available
+
     plain = engine(path, enable_prefix_caching=False)
+    if native_qblock_available():   # else Q4_K is int4 groups and the table int8 rows
+        assert "gguf-q4_k-a8" in plain.engine.runner.quantization
+        assert plain.engine.runner.kernel_plan["lm_head"] == "tied:gguf-q6_k-a8"
+        assert plain.engine.runner.kernel_plan["embedding"] == "gguf-q6_k"
     alone = [run(plain, [p], params) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     cached = engine(path, enable_prefix_caching=True)

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from llmserve.model.layers.embedding import VocabEmbedding
 from llmserve.model.layers.linear import Linear
-from llmserve.model.quant.block_codes import to_block_codes
+from llmserve.model.quant.block_codes import BlockCodes, to_block_codes
 from llmserve.model.quant.kernels import Int8Weight
 from llmserve.model.quant.methods import GGUFLinearMethod
 from llmserve.model.quant.native_int4 import native_int4_a8_available
@@ -25,6 +25,7 @@ from llmserve.model.quant.native_qblock import (
     QBlockTable,
     QBlockWeight,
     native_qblock_available,
+    pack_qblock,
     qblock_a8_mm,
     qblock_reference,
 )
@@ -187,8 +188,44 @@ def test_a_block_tables_rows_are_ggufs_values_and_its_head_the_block_product(qty
     assert torch.equal(table.rows(every, torch.float32), dense)
     x = torch.randn(3, 512).bfloat16()
     assert torch.equal(table.logits(x), QBlockWeight(codes_of(raw)).logits(x))
-    with pytest.raises(RuntimeError, match="id 48 outside the 48 rows"):
-        table.rows(torch.tensor([48]), torch.float32)
+    # the padded last strip's rows are not the table's
+    with pytest.raises(RuntimeError, match="id 40 outside the 40 rows"):
+        table.rows(torch.tensor([40]), torch.float32)
+    # loaded in chunks of whole strips: the same buffers
+    chunked = QBlockTable.from_raw(raw, chunk_rows=16)
+    for name in ("qweight", "sub", "sup"):
+        a, b = getattr(chunked, name), getattr(table, name)
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.equal(chunked.rows(ids, torch.float32), dense[ids])
+
+
+@needs_qblock
+def test_the_row_lookup_checks_its_operands():
+    raw = gguf_blocks(Q.Q5_K, 32, 256, seed=12)
+    t = QBlockTable(codes_of(raw))
+    rows = torch.ops.llmserve_native.qblock_rows
+    with pytest.raises(RuntimeError, match="no table of 7-bit codes"):
+        rows(torch.tensor([0]), t.qweight, t.sub, t.sup, 7, 1, 32)
+    with pytest.raises(RuntimeError, match=r"sub must be contiguous \(2, blocks, 2, 16\)"):
+        rows(torch.tensor([0]), t.qweight, t.sub[:, :, :1].contiguous(), t.sup, 5, 1, 32)
+    with pytest.raises(RuntimeError, match="needs fp16 super-block scales"):
+        rows(torch.tensor([0]), t.qweight, t.sub, t.sup[:, :, :1].contiguous(), 5, 1, 32)
+    with pytest.raises(RuntimeError, match="needs fp16 super-block scales"):
+        rows(torch.tensor([0]), t.qweight, t.sub, None, 5, 1, 32)
+    with pytest.raises(RuntimeError, match="64 rows do not fill 2 strips"):
+        rows(torch.tensor([0]), t.qweight, t.sub, t.sup, 5, 1, 64)
+    with pytest.raises(RuntimeError, match="ids must be a contiguous 1-D int64"):
+        rows(torch.tensor([0], dtype=torch.int32), t.qweight, t.sub, t.sup, 5, 1, 32)
+
+
+def test_non_finite_k_quant_scales_keep_the_float_path():
+    raw = gguf_blocks(Q.Q6_K, 16, 256, seed=13)
+    raw.data[3, 208:210] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    assert to_block_codes(raw) is None
+    with pytest.raises(ValueError, match="float16 values"):
+        pack_qblock(BlockCodes("Q5_K", torch.zeros(16, 256, dtype=torch.uint8), 5, 1,
+                               torch.zeros(16, 8, 2, dtype=torch.uint8),
+                               torch.full((16, 1, 2), 0.1)))
 
 
 @needs_qblock
@@ -197,7 +234,7 @@ def test_an_embedding_keeps_a_k_quant_table_in_its_blocks_and_q8_0_as_int8_rows(
     q6 = gguf_blocks(Q.Q6_K, 64, 256, seed=10)
     emb = VocabEmbedding(64, 256, torch.bfloat16, cpu, block_table=True)
     emb.load("weight", q6)
-    assert isinstance(emb.qweight, QBlockTable)
+    assert isinstance(emb.qweight, QBlockTable) and emb.qweight.format_name == "gguf-q6_k-a8"
     assert emb.weight_bytes <= 1.03 * q6.data.nbytes
     dense = torch.from_numpy(gguf.quants.dequantize(q6.data, Q.Q6_K).reshape(64, 256))
     assert torch.equal(emb(torch.tensor([3, 60])), dense[[3, 60]].bfloat16())

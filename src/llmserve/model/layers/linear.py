@@ -38,7 +38,7 @@ class LinearMethod(ABC):
     wants_raw_gguf = False
     #: True: a GGUF token table of a K-quant or 5-bit type stays in its own blocks
     #: (``QBlockTable``, the block kernel's head) rather than becoming int8 rows.
-    block_tables = False
+    gguf_block_tables = False
 
     @abstractmethod
     def create_weights(self, layer: "Linear", dtype: torch.dtype, device: torch.device) -> None:

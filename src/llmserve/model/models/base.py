@@ -186,7 +186,7 @@ class CausalLM(nn.Module, ABC):
         super().__init__()
         self.config = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
-                                           block_table=method.block_tables)
+                                           block_table=method.gguf_block_tables)
         self.embed_scale = None
         if self.embed_scale_by_sqrt_hidden:   # rounded to the model dtype, as transformers does
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))

@@ -1,6 +1,6 @@
 """llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
 
-Seven operators, ``torch.ops.llmserve_native``:
+Eight operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
@@ -10,7 +10,7 @@ Seven operators, ``torch.ops.llmserve_native``:
   to int8 in blocks of 32, by ``vpdpbusd`` (they also need AVX512-VNNI: ``a8_supported``);
 - ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their own codes and scales
   x the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too), and
-  ``qblock_rows``: rows of such a table decoded to float32 (a tied table's embedding lookup);
+  ``qblock_rows``: rows of such a table decoded to float32 (a GGUF token table's lookup);
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
   (:mod:`llmserve.model.attention.native_decode`).
 
@@ -181,7 +181,8 @@ def _fake_qblock_mm(x: torch.Tensor, packed: torch.Tensor, sub: torch.Tensor,
 
 
 def _fake_qblock_rows(ids: torch.Tensor, packed: torch.Tensor, sub: torch.Tensor,
-                      sup: "torch.Tensor | None", bits: int, mode: int) -> torch.Tensor:
+                      sup: "torch.Tensor | None", bits: int, mode: int,
+                      rows: int) -> torch.Tensor:
     return ids.new_empty(ids.shape[0], sub.shape[1] * 32, dtype=torch.float32)
 
 

@@ -17,11 +17,12 @@ Which format a layer gets:
 
     Int4LinearMethod(g)   int4 group g; exact int4 shards of group g are kept, the rest RTN
     Int8LinearMethod      int8 per channel (RTN of the float values)
-    GGUFLinearMethod      what the file holds: int4 when every shard is Q4_0/Q4_1, dense
-                          when any shard is a float type (F32/F16/BF16); with int8
-                          activations (AVX512-VNNI) Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K keep their
-                          own codes and scales (``gguf-q5_k-a8``: native_qblock.py) and a fused
-                          mix (Q4_K q/k + Q6_K v) is split into one product per format;
+    GGUFLinearMethod      what the file holds: int4 when every shard is Q4_0/Q4_1 (or
+                          Q4_K without the block kernel), dense when any shard is a float
+                          type (F32/F16/BF16); with int8 activations (AVX512-VNNI)
+                          Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K keep their own codes and scales
+                          (``gguf-q5_k-a8``: native_qblock.py) and a fused mix (Q4_K q/k +
+                          Q6_K v) is split into one product per format;
                           otherwise (bf16 activations, no VNNI, Q2_K/Q3_K/IQ*) int8 per
                           channel, a second rounding (the load log counts such layers)
     Int4CheckpointLinearMethod  what a GPTQ/AWQ folder holds: int4 in the checkpoint's own
@@ -66,8 +67,9 @@ EXACT_INT4, BLOCKS, OTHER_QUANT, FLOAT = "int4", "blocks", "quant", "float"
 
 @dataclass
 class Shard:
-    """One checkpoint tensor of a layer, decoded: exact int4 groups, a 5/6/8-bit GGUF type's
-    own codes and scales, or float32 values."""
+    """One checkpoint tensor of a layer, decoded: exact int4 groups, a GGUF block type's own
+    codes and scales (Q4_K where the block kernel runs, Q5_*, Q6_K, Q8_0), or float32
+    values."""
 
     origin: str                       # EXACT_INT4 | BLOCKS | OTHER_QUANT | FLOAT
     values: Union[Int4Groups, BlockCodes, torch.Tensor]
@@ -289,7 +291,7 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         #: with an fp16 scale and zero each (5 bits, the zero rounded)
         self.q4_k_blocks = self.block_kernels
         #: a K-quant/5-bit embedding table (and tied head) in its own blocks too
-        self.block_tables = self.block_kernels
+        self.gguf_block_tables = self.block_kernels
         #: layers per GGUF type that were dequantized and requantized to int8 per channel
         self.requantized: Counter = Counter()
 

@@ -23,8 +23,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.model.loading.gguf import RawGGUFTensor
 from llmserve.model.native.ops import a8_supported, cut_padding, kernel_checked
-from llmserve.model.quant.block_codes import MODE_F16, MODE_F16S, MODE_K16, MODE_K32, BlockCodes
+from llmserve.model.quant.block_codes import (
+    MODE_F16,
+    MODE_F16S,
+    MODE_K16,
+    MODE_K32,
+    BlockCodes,
+    to_block_codes,
+)
 from llmserve.model.quant.kernels import as_kernel_input
 from llmserve.model.quant.native_int8 import quantized_rows_reference
 
@@ -93,7 +101,8 @@ def qblock_reference(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
 
 
 def _self_test() -> bool:
-    """Each (bits, mode) against its float64 reference, so a miscompiled kernel is never used."""
+    """Each (bits, mode) against its float64 reference, and its rows read back as the
+    codes dequantize, so a miscompiled kernel is never used."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 512, generator=gen).bfloat16()
     for bits, mode in ((8, MODE_F16S), (5, MODE_F16S), (5, MODE_F16), (4, MODE_K32),
@@ -110,9 +119,13 @@ def _self_test() -> bool:
             sub = sub.to(torch.int8 if mode == MODE_K16 else torch.uint8)
             sup = (torch.rand(32, 2, 2 if mode == MODE_K32 else 1, generator=gen) * 0.001).half()
         codes = BlockCodes("test", u, bits, mode, sub, sup)
-        y = qblock_a8_mm(x, *pack_qblock(codes), bits, mode, float_out=True).double()
+        packed = pack_qblock(codes)
+        y = qblock_a8_mm(x, *packed, bits, mode, float_out=True).double()
         ref = qblock_reference(x, codes)
         if not bool(((y - ref).abs() <= 1e-4 * ref.abs() + 1e-3).all()):
+            return False
+        rows = torch.ops.llmserve_native.qblock_rows(torch.arange(32), *packed, bits, mode, 32)
+        if not torch.equal(rows, codes.dequantize()):
             return False
     return True
 
@@ -131,12 +144,15 @@ class QBlockWeight(nn.Module):
         super().__init__()
         if codes.mode not in (MODE_F16, MODE_F16S, MODE_K32, MODE_K16):
             raise ValueError(f"unknown block scale mode {codes.mode}")
-        self.out_features, self.in_features = codes.codes.shape
-        if self.in_features % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
-            raise ValueError(f"{codes.qtype} weight: K={self.in_features} does not fill whole "
-                             "blocks")
-        self.qtype, self.bits, self.mode = codes.qtype, codes.bits, codes.mode
-        packed, sub, sup = pack_qblock(codes)
+        rows, k = codes.codes.shape
+        if k % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
+            raise ValueError(f"{codes.qtype} weight: K={k} does not fill whole blocks")
+        self._adopt(codes.qtype, codes.bits, codes.mode, rows, k, *pack_qblock(codes))
+
+    def _adopt(self, qtype: str, bits: int, mode: int, rows: int, k: int,
+               packed: torch.Tensor, sub: torch.Tensor, sup: Optional[torch.Tensor]) -> None:
+        self.out_features, self.in_features = rows, k
+        self.qtype, self.bits, self.mode = qtype, bits, mode
         self.register_buffer("qweight", packed, persistent=False)
         self.register_buffer("sub", sub, persistent=False)
         self.register_buffer("sup", sup, persistent=False)
@@ -177,6 +193,32 @@ class QBlockTable(QBlockWeight):
     #: the head's product always quantizes its activations (the block kernel's arithmetic)
     int8_activations = True
 
+    @classmethod
+    def from_raw(cls, raw: RawGGUFTensor, chunk_rows: int = 4096) -> "Optional[QBlockTable]":
+        """The table of a GGUF tensor, decoded and packed ``chunk_rows`` rows at a time (whole
+        strips: the temporaries stay small for a 150k-row vocabulary); None where its blocks
+        cannot be kept (non-finite scales, or a type without a block mode)."""
+        if chunk_rows % STRIP:
+            raise ValueError(f"chunk_rows must be a multiple of {STRIP}, got {chunk_rows}")
+        rows, k = raw.shape
+        parts = []
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            codes = to_block_codes(RawGGUFTensor(raw.name, raw.qtype, (end - start, k),
+                                                 raw.data[start:end]), q4_k=True)
+            if codes is None:
+                return None
+            if not parts and k % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
+                raise ValueError(f"{codes.qtype} table: K={k} does not fill whole blocks")
+            parts.append((codes.qtype, codes.bits, codes.mode, pack_qblock(codes)))
+        qtype, bits, mode = parts[0][:3]
+        packed, sub, sup = (torch.cat([p[3][i] for p in parts]) if parts[0][3][i] is not None
+                            else None for i in range(3))
+        table = cls.__new__(cls)
+        nn.Module.__init__(table)
+        table._adopt(qtype, bits, mode, rows, k, packed, sub, sup)
+        return table
+
     def with_int8_activations(self) -> "QBlockTable":
         return self
 
@@ -184,7 +226,7 @@ class QBlockTable(QBlockWeight):
         """Rows ``ids`` of the table, dequantized to ``dtype`` (an embedding lookup)."""
         flat = ids.reshape(-1).long()
         rows = torch.ops.llmserve_native.qblock_rows(flat, self.qweight, self.sub, self.sup,
-                                                     self.bits, self.mode)
+                                                     self.bits, self.mode, self.out_features)
         return rows.to(dtype).view(*ids.shape, self.in_features)
 
 

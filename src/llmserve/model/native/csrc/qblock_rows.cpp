@@ -5,7 +5,8 @@
 //
 // Each value is what BlockCodes.dequantize (and so gguf's own dequantizer) gives, rounded the
 // same way: d * sc is exact in float32 and every other product and sum is rounded on its own,
-// so this file is built without fused multiply-adds (the optimize attribute below).
+// so the decoding is built without fused multiply-adds (GCC's optimize attribute below,
+// clang's pragma).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +15,10 @@
 
 #include <cstdint>
 #include <optional>
+
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
 
 namespace {
 
@@ -88,8 +93,10 @@ __attribute__((optimize("fp-contract=off"))) void decode_row(const Table& t, int
   }
 }
 
+// rows: the table's rows (the packed strips may hold up to 15 zero rows past them).
 at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& sub,
-                       const std::optional<at::Tensor>& sup, int64_t bits, int64_t mode) {
+                       const std::optional<at::Tensor>& sup, int64_t bits, int64_t mode,
+                       int64_t rows) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
               "qblock_rows: ids must be a contiguous 1-D int64 tensor");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
@@ -100,30 +107,35 @@ at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at
               "qblock_rows: no table of ", bits, "-bit codes in mode ", mode);
   const at::ScalarType sub_type = !k_mode ? at::kHalf : mode == kK32 ? at::kByte : at::kChar;
   const int64_t strips = packed.size(0);
+  const int64_t sub_rows = mode == kF16S ? 1 : 2;
   TORCH_CHECK(sub.dim() == 4 && sub.scalar_type() == sub_type && sub.is_contiguous() &&
-                  sub.size(0) == strips && sub.size(3) == kStrip,
-              "qblock_rows: sub must be contiguous (", strips, ", blocks, n, 16) of ",
-              c10::toString(sub_type));
+                  sub.size(0) == strips && sub.size(2) == sub_rows && sub.size(3) == kStrip,
+              "qblock_rows: sub must be contiguous (", strips, ", blocks, ", sub_rows,
+              ", 16) of ", c10::toString(sub_type));
+  TORCH_CHECK(rows > strips * kStrip - kStrip && rows <= strips * kStrip,
+              "qblock_rows: ", rows, " rows do not fill ", strips, " strips of 16");
   const int64_t blocks = sub.size(1);
   TORCH_CHECK(packed.size(1) == blocks * 64 * bits, "qblock_rows: packed and sub disagree");
   const c10::Half* supp = nullptr;
   int64_t sup_rows = 0;
   if (k_mode) {
+    sup_rows = mode == kK32 ? 2 : 1;
     TORCH_CHECK(sup.has_value() && sup->scalar_type() == at::kHalf && sup->is_contiguous() &&
                     sup->dim() == 4 && sup->size(0) == strips &&
-                    sup->size(1) * kSuperBlocks == blocks && sup->size(3) == kStrip,
-                "qblock_rows: mode ", mode, " needs fp16 super-block scales");
+                    sup->size(1) * kSuperBlocks == blocks && sup->size(2) == sup_rows &&
+                    sup->size(3) == kStrip,
+                "qblock_rows: mode ", mode, " needs fp16 super-block scales (", strips,
+                ", blocks / 8, ", sup_rows, ", 16)");
     supp = sup->data_ptr<c10::Half>();
-    sup_rows = sup->size(2);
   }
-  const int64_t n = ids.size(0), rows = strips * kStrip;
+  const int64_t n = ids.size(0);
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(idp[i] >= 0 && idp[i] < rows, "qblock_rows: id ", idp[i], " outside the ",
                 rows, " rows of the table");
   at::Tensor out = at::empty({n, blocks * kBlock}, packed.options().dtype(at::kFloat));
   const Table t{packed.data_ptr<uint8_t>(), sub.data_ptr(), supp, bits, mode, blocks,
-                sub.size(2), sup_rows};
+                sub_rows, sup_rows};
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) decode_row(t, idp[i], op + i * blocks * kBlock);
@@ -134,7 +146,7 @@ at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
-  m.def("qblock_rows(Tensor ids, Tensor packed, Tensor sub, Tensor? sup, int bits, int mode) "
-        "-> Tensor");
+  m.def("qblock_rows(Tensor ids, Tensor packed, Tensor sub, Tensor? sup, int bits, int mode, "
+        "int rows) -> Tensor");
   m.impl("qblock_rows", c10::DispatchKey::CPU, TORCH_FN(qblock_rows));
 }
