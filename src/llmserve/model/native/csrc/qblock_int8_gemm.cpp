@@ -1,5 +1,5 @@
 // GGUF block-quantized weights (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) x int8 activations for
-// AVX512-VNNI CPUs: llmserve_native::qblock_a8_mm.
+// AVX512-VNNI CPUs: llmserve_native::qblock_a8_mm (and qblock_rows, qblock_rows.h).
 //
 // The weights keep their file's codes and scales (an exact re-layout, no second rounding);
 // each activation row is quantized in blocks of 32 (int8_rows.h), and per (row, block of 32
@@ -39,6 +39,7 @@
 
 #include "int8_rows.h"
 #include "next_strip_prefetch.h"
+#include "qblock_rows.h"
 
 #include <immintrin.h>
 
@@ -323,4 +324,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
   m.def("qblock_a8_mm(Tensor x, Tensor packed, Tensor sub, Tensor? sup, int bits, int mode, "
         "bool float_out=False) -> Tensor");
   m.impl("qblock_a8_mm", c10::DispatchKey::CPU, TORCH_FN(qblock_a8_mm));
+  m.def("qblock_rows(Tensor ids, Tensor packed, Tensor sub, Tensor? sup, int bits, int mode, "
+        "int rows) -> Tensor");
+  m.impl("qblock_rows", c10::DispatchKey::CPU,
+         TORCH_FN(llmserve_native::qblock_table::qblock_rows));
 }

@@ -1,26 +1,25 @@
 // Rows of a packed GGUF block table decoded to float32: llmserve_native::qblock_rows, the
-// embedding lookup of a tied table whose LM head runs qblock_a8_mm on the same bytes
+// embedding lookup of a GGUF token table whose LM head runs qblock_a8_mm on the same bytes
 // (qblock_int8_gemm.cpp documents the layout: strips of 16 rows, per block of 32 k's the
 // nibble or byte codes and the bit planes, then the per-block and per-super-block scales).
+// qblock_int8_gemm.cpp includes this header and registers the op: one translation unit, so
+// the library build parses torch's headers once for both.
 //
 // Each value is what BlockCodes.dequantize (and so gguf's own dequantizer) gives, rounded the
 // same way: d * sc is exact in float32 and every other product and sum is rounded on its own,
 // so the decoding is built without fused multiply-adds (GCC's optimize attribute below,
 // clang's pragma).
+#pragma once
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-
-namespace {
+namespace llmserve_native::qblock_table {
 
 constexpr int kStrip = 16;
 constexpr int kBlock = 32;
@@ -28,7 +27,7 @@ constexpr int kSuperBlocks = 8;   // blocks of 32 per K-quant super-block of 256
 enum Mode : int { kF16 = 0, kK32 = 1, kK16 = 2, kF16S = 3 };
 
 // The 32 unsigned codes of channel c of a strip in one block of BITS-bit codes.
-void block_codes(const uint8_t* wb, int64_t bits, int c, int32_t (&u)[kBlock]) {
+inline void block_codes(const uint8_t* wb, int64_t bits, int c, int32_t (&u)[kBlock]) {
   if (bits == 8) {
     for (int o = 0; o < 8; ++o)
       for (int j = 0; j < 4; ++j) u[4 * o + j] = wb[64 * o + 4 * c + j];
@@ -48,15 +47,22 @@ void block_codes(const uint8_t* wb, int64_t bits, int c, int32_t (&u)[kBlock]) {
       }
 }
 
+inline float half_at(const void* p, int64_t i) {
+  return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+}
+
 struct Table {
   const uint8_t* packed;
   const void* sub;
-  const c10::Half* sup;
+  const uint16_t* sup;   // fp16 bits
   int64_t bits, mode, blocks, sub_rows, sup_rows;
 };
 
-__attribute__((optimize("fp-contract=off"))) void decode_row(const Table& t, int64_t id,
-                                                              float* out) {
+__attribute__((optimize("fp-contract=off"))) inline void decode_row(const Table& t, int64_t id,
+                                                                     float* out) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
   const int64_t s = id / kStrip;
   const int c = static_cast<int>(id % kStrip);
   const int64_t strip_bytes = t.blocks * 64 * t.bits;
@@ -69,21 +75,20 @@ __attribute__((optimize("fp-contract=off"))) void decode_row(const Table& t, int
     const int64_t sat = ((s * supers + b / kSuperBlocks) * t.sup_rows) * kStrip + c;
     float* o = out + b * kBlock;
     if (t.mode == kF16S) {
-      const float d = static_cast<const c10::Half*>(t.sub)[at];
+      const float d = half_at(t.sub, at);
       const float offset = static_cast<float>(1 << (t.bits - 1));
       for (int i = 0; i < kBlock; ++i) o[i] = (static_cast<float>(u[i]) - offset) * d;
     } else if (t.mode == kF16) {
-      const c10::Half* sm = static_cast<const c10::Half*>(t.sub);
-      const float scale = sm[at], min = sm[at + kStrip];
+      const float scale = half_at(t.sub, at), min = half_at(t.sub, at + kStrip);
       for (int i = 0; i < kBlock; ++i) o[i] = static_cast<float>(u[i]) * scale + min;
     } else if (t.mode == kK32) {
       const uint8_t* sm = static_cast<const uint8_t*>(t.sub);
-      const float scale = static_cast<float>(t.sup[sat]) * static_cast<float>(sm[at]);
-      const float dmin = static_cast<float>(t.sup[sat + kStrip]) * static_cast<float>(sm[at + kStrip]);
+      const float scale = half_at(t.sup, sat) * static_cast<float>(sm[at]);
+      const float dmin = half_at(t.sup, sat + kStrip) * static_cast<float>(sm[at + kStrip]);
       for (int i = 0; i < kBlock; ++i) o[i] = static_cast<float>(u[i]) * scale - dmin;
     } else {
       const int8_t* sm = static_cast<const int8_t*>(t.sub);
-      const float d = t.sup[sat];
+      const float d = half_at(t.sup, sat);
       for (int h = 0; h < 2; ++h) {
         const float scale = d * static_cast<float>(sm[at + h * kStrip]);
         for (int i = 16 * h; i < 16 * h + 16; ++i)
@@ -94,7 +99,7 @@ __attribute__((optimize("fp-contract=off"))) void decode_row(const Table& t, int
 }
 
 // rows: the table's rows (the packed strips may hold up to 15 zero rows past them).
-at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& sub,
+inline at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& sub,
                        const std::optional<at::Tensor>& sup, int64_t bits, int64_t mode,
                        int64_t rows) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
@@ -116,7 +121,7 @@ at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at
               "qblock_rows: ", rows, " rows do not fill ", strips, " strips of 16");
   const int64_t blocks = sub.size(1);
   TORCH_CHECK(packed.size(1) == blocks * 64 * bits, "qblock_rows: packed and sub disagree");
-  const c10::Half* supp = nullptr;
+  const uint16_t* supp = nullptr;
   int64_t sup_rows = 0;
   if (k_mode) {
     sup_rows = mode == kK32 ? 2 : 1;
@@ -126,7 +131,7 @@ at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at
                     sup->size(3) == kStrip,
                 "qblock_rows: mode ", mode, " needs fp16 super-block scales (", strips,
                 ", blocks / 8, ", sup_rows, ", 16)");
-    supp = sup->data_ptr<c10::Half>();
+    supp = reinterpret_cast<const uint16_t*>(sup->data_ptr());
   }
   const int64_t n = ids.size(0);
   const int64_t* idp = ids.data_ptr<int64_t>();
@@ -143,10 +148,4 @@ at::Tensor qblock_rows(const at::Tensor& ids, const at::Tensor& packed, const at
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
-  m.def("qblock_rows(Tensor ids, Tensor packed, Tensor sub, Tensor? sup, int bits, int mode, "
-        "int rows) -> Tensor");
-  m.impl("qblock_rows", c10::DispatchKey::CPU, TORCH_FN(qblock_rows));
-}
+}  // namespace llmserve_native::qblock_table
