@@ -5,7 +5,7 @@ head multiplies on the same bytes:
 
 - a K-quant or 5-bit table (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: a Q4_K_M file's Q6_K table) stays
   in its own blocks where the linear method runs the block kernel (:class:`QBlockTable`,
-  ``block_tables``): the lookup decodes the selected rows, gguf's own values;
+  ``gguf_block_tables``): the lookup decodes the selected rows, gguf's own values;
 - any other (Q8_0, Q4_0, ..., or without the block kernel) becomes int8 rows with one bf16
   scale each (:class:`Int8Weight`): the lookup dequantizes the selected rows, the head runs
   llmserve's native int8 kernels, with int8 activations where the linear method has them
