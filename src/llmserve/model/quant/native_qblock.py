@@ -136,6 +136,13 @@ def native_qblock_available() -> bool:
     return kernel_checked("qblock_a8", _self_test, supported=a8_supported)
 
 
+def _check_whole_blocks(codes: BlockCodes) -> None:
+    """The kernel's unit along K: 32 for the per-block modes, a super-block of 256 else."""
+    k = codes.codes.shape[1]
+    if k % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
+        raise ValueError(f"{codes.qtype} weight: K={k} does not fill whole blocks")
+
+
 class QBlockWeight(nn.Module):
     """A GGUF block-quantized weight (N, K) and its product ``x (..., K) -> (..., N)`` by
     ``qblock_a8_mm`` (the caller checks :func:`native_qblock_available`)."""
@@ -145,8 +152,7 @@ class QBlockWeight(nn.Module):
         if codes.mode not in (MODE_F16, MODE_F16S, MODE_K32, MODE_K16):
             raise ValueError(f"unknown block scale mode {codes.mode}")
         rows, k = codes.codes.shape
-        if k % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
-            raise ValueError(f"{codes.qtype} weight: K={k} does not fill whole blocks")
+        _check_whole_blocks(codes)
         self._adopt(codes.qtype, codes.bits, codes.mode, rows, k, *pack_qblock(codes))
 
     def _adopt(self, qtype: str, bits: int, mode: int, rows: int, k: int,
@@ -201,19 +207,24 @@ class QBlockTable(QBlockWeight):
         if chunk_rows % STRIP:
             raise ValueError(f"chunk_rows must be a multiple of {STRIP}, got {chunk_rows}")
         rows, k = raw.shape
-        parts = []
+        first: Optional[BlockCodes] = None
+        packs = []
         for start in range(0, rows, chunk_rows):
             end = min(start + chunk_rows, rows)
             codes = to_block_codes(RawGGUFTensor(raw.name, raw.qtype, (end - start, k),
                                                  raw.data[start:end]), q4_k=True)
             if codes is None:
                 return None
-            if not parts and k % (BLOCK if codes.mode in (MODE_F16, MODE_F16S) else 256):
-                raise ValueError(f"{codes.qtype} table: K={k} does not fill whole blocks")
-            parts.append((codes.qtype, codes.bits, codes.mode, pack_qblock(codes)))
-        qtype, bits, mode = parts[0][:3]
-        packed, sub, sup = (torch.cat([p[3][i] for p in parts]) if parts[0][3][i] is not None
-                            else None for i in range(3))
+            if first is None:
+                _check_whole_blocks(codes)
+                first = codes
+            packs.append(pack_qblock(codes))
+        if first is None:
+            raise ValueError(f"{raw.name}: an empty table")
+        packed = torch.cat([p[0] for p in packs])
+        sub = torch.cat([p[1] for p in packs])
+        sup = None if first.sup is None else torch.cat([p[2] for p in packs])
+        qtype, bits, mode = first.qtype, first.bits, first.mode
         table = cls.__new__(cls)
         nn.Module.__init__(table)
         table._adopt(qtype, bits, mode, rows, k, packed, sub, sup)
