@@ -159,13 +159,14 @@ class EngineCore:
         return out
 
     def step(self) -> list[SequenceUpdate]:
+        # a step's seconds (the speculation cost model's) include proposing its drafts
+        started = self.scheduler.clock()
         if self.spec is not None:
             sch = self.scheduler
             self.spec.propose(sch.running, sch.step_index + 1, prefill_next=sch.may_admit)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        started = self.scheduler.clock()
         result, failures = self._execute_isolated(sched)
         seconds = None if failures else self.scheduler.clock() - started
         updates = self._settle_failures(failures) if failures else []

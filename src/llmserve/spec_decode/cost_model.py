@@ -21,8 +21,11 @@ expensive once is measured again.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 _WEIGHT = 0.25        # weight of the newest step time in a row count's moving average
 MIN_GAIN = 0.01       # drafts must raise the expected tokens per second by at least 1%
@@ -49,8 +52,8 @@ class StepCostModel:
         if old is None:
             bisect.insort(self._rows, rows)
             self._seconds[rows] = seconds
-        else:
-            self._seconds[rows] = (1 - _WEIGHT) * old + _WEIGHT * seconds
+        else:   # a step stalled by something else (a collection, the OS) counts as 2x
+            self._seconds[rows] = (1 - _WEIGHT) * old + _WEIGHT * min(seconds, 2 * old)
 
     def cost(self, rows: int) -> Optional[float]:
         """Estimated seconds of a ``rows``-row step; None before any measurement."""
@@ -140,3 +143,152 @@ def uniform_draft_length(model: StepCostModel, lengths: Sequence[int],
         if cost is not None and tokens / cost > best_rate:
             best, best_rate = length, tokens / cost
     return best if best_rate > (1 + MIN_GAIN) * seqs / base else 0
+
+
+class DraftYield:
+    """What drafted decode steps actually yielded, per batch size: the check on the plan.
+
+    The plan (:func:`plan_drafts`, :func:`uniform_draft_length`) predicts each step's tokens
+    from the requests' acceptance averages, which lag and favour whoever was lucky last
+    (measured on random text at 8 streams: predicted 1.07-1.17x the plain step's tokens per
+    second, realized 0.96-0.99x). This keeps, per batch size ``B`` from 2 sequences, the
+    realized gain of the decode steps with drafts: their tokens per second against
+    ``B / cost(B)`` of a plain step (moving averages of both sides, so a long step weighs
+    more than a short one). While it stays below ``1 + BATCH_GAIN`` (at ``B``, or at the
+    nearest ``B`` measured), steps of ``B`` sequences verify no drafts of the engine's own.
+    Drafting at ``B`` opens again
+
+    * from shadow drafts (:mod:`~llmserve.spec_decode.shadow_drafts`, proposers whose
+      drafts are cheap): once ``SHADOW_SAMPLES`` of them estimate a gain of at least
+      ``1 + REOPEN_GAIN`` (a wider margin than closing, so drafting does not flap); or
+    * by a retry (other proposers): one drafted step after ``retry_after`` steps, a wait
+      that doubles with each retry that does not pay (up to ``max_retry_after``).
+    """
+
+    def __init__(self, retry_after: int = 8, max_retry_after: int = 128) -> None:
+        if not 1 <= retry_after <= max_retry_after:
+            raise ValueError(f"need 1 <= retry_after <= max_retry_after, got {retry_after}, "
+                             f"{max_retry_after}")
+        self.retry_after = retry_after
+        self.max_retry_after = max_retry_after
+        self._real: dict[int, _Ratio] = {}
+        self._shadow: dict[int, _Ratio] = {}
+        self._wait: dict[int, int] = {}
+        self._retry_at: dict[int, int] = {}
+
+    def gain(self, seqs: int) -> Optional[float]:
+        """The realized gain of drafted steps of ``seqs`` sequences, or of the nearest
+        batch size measured (the smaller of two as near): a batch passing through a size
+        it has not drafted at yet (requests ending one by one) does not draft to learn
+        what its neighbours already showed. None before any drafted step."""
+        if not self._real:
+            return None
+        near = min(self._real, key=lambda b: (abs(b - seqs), b))
+        return self._real[near].value
+
+    def is_open(self, seqs: int) -> bool:
+        """Whether drafted steps of ``seqs`` sequences pay, or have not been measured.
+        Always for one sequence: its step is bound by reading the weights, and whether
+        its drafts pay is its own request's acceptance, which the request's average
+        already follows (a gate there only slowed copying after a stretch of new text)."""
+        if seqs < 2:
+            return True
+        gain = self.gain(seqs)
+        return gain is None or gain >= 1 + BATCH_GAIN
+
+    def record(self, seqs: int, tokens: int, seconds: float, plain_seconds: float) -> None:
+        """A decode step of ``seqs`` sequences with drafts gave ``tokens`` tokens in
+        ``seconds``; a plain step of as many sequences takes ``plain_seconds``."""
+        if seqs < 2 or seconds <= 0 or plain_seconds <= 0:
+            return
+        was_open = self.is_open(seqs)
+        real = self._real.setdefault(seqs, _Ratio(_WEIGHT))
+        real.add(tokens * plain_seconds, seqs * seconds)
+        if self.is_open(seqs):
+            if not was_open:
+                logger.info("speculation on again at %d sequences: a drafted step gave "
+                            "%.2fx the tokens per second of plain ones", seqs, real.value)
+            self._opened(seqs)
+        elif was_open:
+            logger.info("speculation off at %d sequences: drafted steps gave %.2fx the "
+                        "tokens per second of plain ones", seqs, real.value)
+
+    def record_shadow(self, seqs: int, tokens: int, seconds: float,
+                      plain_seconds: float) -> None:
+        """Shadow drafts over ``seqs`` sequences would have given ``tokens`` tokens in a
+        step estimated at ``seconds``: drafting at ``seqs`` opens again once enough such
+        estimates clear ``1 + REOPEN_GAIN``."""
+        if seqs <= 0 or seconds <= 0 or plain_seconds <= 0 or self.is_open(seqs):
+            return
+        shadow = self._shadow.setdefault(seqs, _Ratio(_SHADOW_WEIGHT))
+        shadow.add(tokens * plain_seconds, seqs * seconds)
+        if shadow.samples >= SHADOW_SAMPLES and shadow.value >= 1 + REOPEN_GAIN:
+            # what pays at this size pays at smaller ones (their rows cost less): their
+            # older verdicts go too
+            for b in [b for b in self._real if b < seqs]:
+                del self._real[b]
+                self._opened(b)
+            real = self._real[seqs] = _Ratio(_WEIGHT)
+            real.add(shadow.num, shadow.den)
+            self._opened(seqs)
+            logger.info("speculation on again at %d sequences and fewer: shadow drafts "
+                        "estimate %.2fx the tokens per second of plain steps", seqs, real.value)
+
+    def _opened(self, seqs: int) -> None:
+        """Drafts pay at ``seqs`` again: the next closing starts its evidence afresh."""
+        self._shadow.pop(seqs, None)
+        self._wait.pop(seqs, None)
+        self._retry_at.pop(seqs, None)
+
+    def allows(self, seqs: int, step: int, retry: bool = True) -> bool:
+        """Whether a decode step of ``seqs`` sequences may verify the engine's drafts:
+        yes while drafting pays there, else only at a retry (``retry``; without it, only
+        shadow drafts can open it again)."""
+        if self.is_open(seqs):
+            return True
+        if not retry:
+            return False
+        retry_at = self._retry_at.get(seqs)
+        if retry_at is None:   # just closed: the first retry after the shortest wait
+            self._retry_at[seqs] = step + self._wait.setdefault(seqs, self.retry_after)
+            return False
+        if step < retry_at:
+            return False
+        wait = self._wait.get(seqs, self.retry_after)
+        self._wait[seqs] = min(2 * wait, self.max_retry_after)
+        self._retry_at[seqs] = step + self._wait[seqs]
+        return True
+
+
+SHADOW_SAMPLES = 8    # shadow estimates needed before drafting opens again
+REOPEN_GAIN = 0.10    # ... and the gain they must show
+# drafted steps of several sequences must realize this gain to stay on: drafts move the
+# sequences of a batch apart (some accept, some do not), so with equal answer lengths they
+# no longer end, nor their successors start, in the same steps, and each successor's
+# prefill then takes a step of its own; that cost about 6% of a closed-loop run of fixed
+# lengths at 8 streams on the default model, a cost no single step's timing shows
+BATCH_GAIN = 0.05
+# one shadow step's estimate swings by +-30% around the mean on random text (its drafts
+# are few): the shadow average moves slowly, the realized one (every drafted step) faster
+_SHADOW_WEIGHT = 1 / 16
+
+
+class _Ratio:
+    """A ratio of two moving averages (``weight`` for the newest sample)."""
+
+    __slots__ = ("weight", "num", "den", "samples")
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.num = self.den = 0.0
+        self.samples = 0
+
+    def add(self, num: float, den: float) -> None:
+        w = 1.0 if self.samples == 0 else self.weight
+        self.num = (1 - w) * self.num + w * num
+        self.den = (1 - w) * self.den + w * den
+        self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return self.num / self.den

@@ -28,6 +28,15 @@ the step as one compiled graph; unequal ones made it an eager step, slower than 
 could gain at 8 streams (docs/BENCHMARKS.md). A step that prefills (a running request's
 prompt, or a waiting one the scheduler may admit) runs eagerly whatever the drafts, and its
 draft rows cost more there: these methods draft in the decode-only steps around it.
+
+The check on the plan (``DraftYield``, spec_decode/cost_model.py): from two sequences up,
+each drafted decode step's realized tokens per second are compared with a plain step's;
+where they fall short (by the margin that covers what drafting costs a batch beyond its
+own steps), steps of that batch size verify no drafts of the engine's own. n-gram and
+suffix drafts are then still proposed now and then as shadow drafts, never verified but
+compared with the tokens the sequences go on to generate (spec_decode/shadow_drafts.py),
+and drafting opens again once they show it would pay; the draft model's proposals, too
+dear to make for nothing, are retried in a drafted step after a wait that doubles.
 """
 from __future__ import annotations
 
@@ -40,11 +49,13 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.spec_decode.config import SpecDecodeConfig
 from llmserve.spec_decode.cost_model import (
     DraftCandidate,
+    DraftYield,
     StepCostModel,
     plan_drafts,
     uniform_draft_length,
 )
 from llmserve.spec_decode.proposers import NgramIndex, NgramProposer, PredictionState, Proposal, Proposer
+from llmserve.spec_decode.shadow_drafts import ShadowDrafts, ShadowStep
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +127,12 @@ class SpeculativeDecoder:
         self.predictor = NgramProposer(config.ngram_min, config.ngram_max, use_history=False)
         self.stats = SpecDecodeStats()
         self.costs = StepCostModel()
+        self.yields = DraftYield()
+        # cheap, deterministic drafts: while drafting does not pay, shadow drafts (not
+        # verified) tell when it would, in place of trial steps (shadow_drafts.py)
+        self.shadow: Optional[ShadowDrafts] = (
+            ShadowDrafts() if proposer is not None and config.method in ("ngram", "suffix")
+            else None)
         self._predicted: set[str] = set()    # live requests that bring a prediction
         self._drafted: list[Request] = []    # requests given drafts by the last propose
 
@@ -133,6 +150,8 @@ class SpeculativeDecoder:
     def release(self, request_id: str) -> None:
         """A request ended: the proposer drops what it keeps for it (a draft's KV)."""
         self._predicted.discard(request_id)
+        if self.shadow is not None:
+            self._settle_shadow(self.shadow.drop(request_id))
         release = getattr(self.proposer, "release", None)
         if release is not None:
             release(request_id)
@@ -177,6 +196,16 @@ class SpeculativeDecoder:
             k = self._num_drafts(req, state, step)
             if k > 0:
                 wanted.append((req, state, k))
+        shadow = False
+        if wanted and self.config.adaptive and not self.yields.allows(
+                len(running), step, retry=self.shadow is None):
+            # drafted steps of this many sequences have not paid: only drafts a client
+            # brought, or a seeded request's, are verified (until a retry, or until
+            # shadow drafts show that drafting would pay)
+            fixed = [w for w in wanted if w[1].prediction is not None or _seeded(w[0])]
+            shadow = not fixed and self.shadow is not None and not self.shadow.following
+            if not shadow:
+                wanted = fixed
         if wanted and self.config.adaptive and not self.costs.explores(step):
             wanted = self._plan(wanted, len(running))
         for req, state, k in wanted:
@@ -199,6 +228,32 @@ class SpeculativeDecoder:
                 self._set(req, prop, k)
         if uniform and not predicted and len(decoding) > 1:
             self._even_out(decoding, step)
+        if shadow:
+            self._to_shadow(len(running))
+
+    def _to_shadow(self, seqs: int) -> None:
+        """Keep this step's drafts as a shadow step instead of verifying them."""
+        drafts: dict[str, tuple[list[int], int]] = {}
+        rows = seqs
+        for req in self._drafted:
+            fillers = req.spec_state.fillers if req.spec_state is not None else 0
+            rows += len(req.spec_token_ids)
+            drafts[req.request_id] = (req.spec_token_ids[:len(req.spec_token_ids) - fillers],
+                                      req.num_tokens)
+            req.spec_token_ids = []
+            if req.spec_state is not None:
+                req.spec_state.fillers = 0
+        self._drafted = []
+        if self.shadow is not None:
+            self.shadow.start(seqs, rows, drafts)
+
+    def _settle_shadow(self, step: Optional[ShadowStep]) -> None:
+        """A shadow step every sequence has answered: its estimate to ``yields``."""
+        if step is None:
+            return
+        seconds, plain = self.costs.cost(step.rows), self.costs.cost(step.seqs)
+        if seconds is not None and plain is not None:
+            self.yields.record_shadow(step.seqs, step.seqs + step.matched, seconds, plain)
 
     def _even_out(self, decoding: list[Request], step: int) -> None:
         """Give every decoding sequence ``L`` drafts (module docstring, "Uniform steps")."""
@@ -258,15 +313,25 @@ class SpeculativeDecoder:
     def on_step_done(self, sched, result, kv: KVCacheManager, step: int,
                      seconds: Optional[float] = None) -> None:
         """Settle the verified drafts of a step (``sched``: SchedulerOutput, ``result``:
-        StepOutput) before its tokens are appended; ``seconds``: how long the runner
-        took, recorded for decode-only steps (the cost model)."""
-        if seconds is not None and self.active and all(
-                s.num_new_tokens - s.num_draft_tokens == 1 for s in sched.scheduled):
+        StepOutput) before its tokens are appended; ``seconds``: how long the step took,
+        from proposing its drafts to the runner's answer, recorded for decode-only steps
+        (the cost model and the realized gain of drafted steps)."""
+        decode_only = all(s.num_new_tokens - s.num_draft_tokens == 1 for s in sched.scheduled)
+        if seconds is not None and self.active and decode_only:
             self.costs.record(sched.num_batched_tokens, seconds)
+        following = self.shadow is not None and self.shadow.following
         drafted = [s for s in sched.scheduled if s.num_draft_tokens]
-        if not drafted:
+        if not drafted and not following:
             return
         where = {rid: i for i, rid in enumerate(result.request_ids)}
+        if following:
+            self._observe_shadow(sched, result, where)
+        if not drafted:
+            return
+        seqs = len(sched.scheduled)
+        plain = self.costs.cost(seqs)
+        if seconds is not None and decode_only and plain is not None:
+            self.yields.record(seqs, sum(len(t) for t in result.token_ids), seconds, plain)
         for s in drafted:
             req = s.request
             i = where.get(req.request_id)
@@ -291,6 +356,18 @@ class SpeculativeDecoder:
                 if state.from_prediction:
                     state.accepted_prediction += accepted
                 self._adapt(state, min(accepted, own) / own, step)
+
+    def _observe_shadow(self, sched, result, where: dict[str, int]) -> None:
+        """Compare the followed shadow drafts with the tokens this step generated."""
+        shadow = self.shadow
+        for s in sched.scheduled:
+            req = s.request
+            i = where.get(req.request_id)
+            if i is None or req.status is not RequestStatus.RUNNING or not result.token_ids[i]:
+                self._settle_shadow(shadow.drop(req.request_id))
+            else:
+                self._settle_shadow(shadow.observe(req.request_id, req.num_tokens,
+                                                   result.token_ids[i][0]))
 
     def _adapt(self, state: SpecState, rate: float, step: int) -> None:
         state.ema = (1 - _EMA_WEIGHT) * state.ema + _EMA_WEIGHT * rate
