@@ -261,7 +261,7 @@ class DraftYield:
 
 
 SHADOW_SAMPLES = 8    # shadow estimates needed before drafting opens again
-REOPEN_GAIN = 0.10    # ... and the gain they must show
+REOPEN_GAIN = 0.25    # ... and the gain they must show
 # drafted steps of several sequences must realize this gain to stay on: drafts move the
 # sequences of a batch apart (some accept, some do not), so with equal answer lengths they
 # no longer end, nor their successors start, in the same steps, and each successor's
