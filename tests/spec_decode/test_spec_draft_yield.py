@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmserve.engine.request import RequestStatus
 from llmserve.spec_decode.cost_model import (
     BATCH_GAIN,
     REOPEN_GAIN,
@@ -165,3 +166,47 @@ def test_shadow_drafts_turn_drafting_back_on_without_verifying_a_draft(method):
     # the first steps verify nothing (closed; shadows only), later ones draft again
     assert drafted and drafted[0] > SHADOW_SAMPLES
     assert len(drafted) > 10 and spec.stats.accepted_tokens > 0
+
+
+def test_one_lucky_estimate_does_not_carry_the_shadow_average():
+    """The shadow average is a plain mean of its first samples: a first estimate of 1.6x
+    followed by seven of 1.0x is 1.075x, not enough to reopen."""
+    y = DraftYield()
+    y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01)
+    y.record_shadow(4, tokens=int(4 * 1.6 * 2), seconds=0.02, plain_seconds=0.01)
+    for _ in range(SHADOW_SAMPLES - 1):
+        y.record_shadow(4, tokens=8, seconds=0.02, plain_seconds=0.01)
+    assert not y.is_open(4)
+
+
+def test_a_retried_size_needs_the_wider_margin_to_open_and_forgets_its_neighbours_evidence():
+    y = DraftYield()
+    y.record(8, tokens=8, seconds=0.02, plain_seconds=0.01)       # 0.5x: closed
+    for _ in range(6):
+        y.record(8, tokens=int(8 * 1.1 * 2), seconds=0.02, plain_seconds=0.01)
+    assert not y.is_open(8)            # 1.1x retries: above the closing bar, below reopening
+    good = dict(tokens=int(7 * (1 + REOPEN_GAIN) * 2) + 1, seconds=0.02, plain_seconds=0.01)
+    for _ in range(SHADOW_SAMPLES - 1):
+        y.record_shadow(7, **good)     # 7 is closed through its neighbour 8
+    for _ in range(6):
+        y.record(8, tokens=40, seconds=0.02, plain_seconds=0.01)   # 2.5x: open again
+    assert y.is_open(8) and y.is_open(7)
+    y.record(8, tokens=8, seconds=0.2, plain_seconds=0.01)         # closed again at once
+    assert not y.is_open(7)
+    y.record_shadow(7, **good)         # the shadows before the reopening no longer count
+    assert not y.is_open(7)
+
+
+def test_a_shadow_sequence_left_out_of_a_step_answers_at_once():
+    """A request of the followed shadow step that a step does not schedule (preempted,
+    or left out) answers with what it matched, so the shadow step does not hang."""
+    from types import SimpleNamespace
+
+    spec = spec_core().spec
+    spec.shadow.start(2, 6, {"a": ([1, 2], 5), "b": ([3], 7)})
+    b = SimpleNamespace(request=SimpleNamespace(request_id="b", num_tokens=7,
+                                                status=RequestStatus.RUNNING))
+    sched = SimpleNamespace(scheduled=[b])
+    result = SimpleNamespace(request_ids=["b"], token_ids=[[3]])
+    spec._observe_shadow(sched, result, {"b": 0})
+    assert not spec.shadow.following

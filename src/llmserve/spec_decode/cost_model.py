@@ -152,17 +152,19 @@ class DraftYield:
     from the requests' acceptance averages, which lag and favour whoever was lucky last
     (measured on random text at 8 streams: predicted 1.07-1.17x the plain step's tokens per
     second, realized 0.96-0.99x). This keeps, per batch size ``B`` from 2 sequences, the
-    realized gain of the decode steps with drafts: their tokens per second against
-    ``B / cost(B)`` of a plain step (moving averages of both sides, so a long step weighs
-    more than a short one). While it stays below ``1 + BATCH_GAIN`` (at ``B``, or at the
-    nearest ``B`` measured), steps of ``B`` sequences verify no drafts of the engine's own.
-    Drafting at ``B`` opens again
+    realized gain of the decode steps with the engine's own drafts: their tokens per second
+    against ``B / cost(B)`` of a plain step (moving averages of both sides, so a long step
+    weighs more than a short one). Once it falls below ``1 + BATCH_GAIN``, ``B`` is closed:
+    steps of ``B`` sequences (and of unmeasured sizes nearest to it) verify no drafts of the
+    engine's own. A closed size opens again when the evidence reaches ``1 + REOPEN_GAIN``
+    (a wider margin than closing, so drafting does not flap):
 
     * from shadow drafts (:mod:`~llmserve.spec_decode.shadow_drafts`, proposers whose
-      drafts are cheap): once ``SHADOW_SAMPLES`` of them estimate a gain of at least
-      ``1 + REOPEN_GAIN`` (a wider margin than closing, so drafting does not flap); or
-    * by a retry (other proposers): one drafted step after ``retry_after`` steps, a wait
-      that doubles with each retry that does not pay (up to ``max_retry_after``).
+      drafts are cheap): the mean of at least ``SHADOW_SAMPLES`` estimates (a moving
+      average once there are 16), which opens every smaller size with it; or
+    * from retries (other proposers): a drafted step after ``retry_after`` steps, the wait
+      doubling with each retry granted (up to ``max_retry_after``), its realized gain
+      added to the size's average.
     """
 
     def __init__(self, retry_after: int = 8, max_retry_after: int = 128) -> None:
@@ -172,77 +174,85 @@ class DraftYield:
         self.retry_after = retry_after
         self.max_retry_after = max_retry_after
         self._real: dict[int, _Ratio] = {}
+        self._closed: set[int] = set()
         self._shadow: dict[int, _Ratio] = {}
         self._wait: dict[int, int] = {}
         self._retry_at: dict[int, int] = {}
 
-    def gain(self, seqs: int) -> Optional[float]:
-        """The realized gain of drafted steps of ``seqs`` sequences, or of the nearest
-        batch size measured (the smaller of two as near): a batch passing through a size
-        it has not drafted at yet (requests ending one by one) does not draft to learn
-        what its neighbours already showed. None before any drafted step."""
+    def _nearest(self, seqs: int) -> Optional[int]:
+        """The measured size nearest ``seqs`` (the smaller of two as near): a batch passing
+        through a size it has not drafted at yet (requests ending one by one) does not
+        draft to learn what its neighbours already showed."""
         if not self._real:
             return None
-        near = min(self._real, key=lambda b: (abs(b - seqs), b))
-        return self._real[near].value
+        return min(self._real, key=lambda b: (abs(b - seqs), b))
+
+    def gain(self, seqs: int) -> Optional[float]:
+        """The realized gain of drafted steps of ``seqs`` sequences, or of the nearest size
+        measured; None before any drafted step of two sequences or more."""
+        near = self._nearest(seqs)
+        return None if near is None else self._real[near].value
 
     def is_open(self, seqs: int) -> bool:
-        """Whether drafted steps of ``seqs`` sequences pay, or have not been measured.
-        Always for one sequence: its step is bound by reading the weights, and whether
-        its drafts pay is its own request's acceptance, which the request's average
-        already follows (a gate there only slowed copying after a stretch of new text)."""
+        """Whether steps of ``seqs`` sequences may verify the engine's drafts (as far as
+        this check goes). Always for one sequence: its step is bound by reading the
+        weights, and whether its drafts pay is its own request's acceptance, which the
+        request's average already follows (a gate there only slowed copying after a
+        stretch of new text)."""
         if seqs < 2:
             return True
-        gain = self.gain(seqs)
-        return gain is None or gain >= 1 + BATCH_GAIN
+        near = self._nearest(seqs)
+        return near is None or near not in self._closed
 
     def record(self, seqs: int, tokens: int, seconds: float, plain_seconds: float) -> None:
-        """A decode step of ``seqs`` sequences with drafts gave ``tokens`` tokens in
-        ``seconds``; a plain step of as many sequences takes ``plain_seconds``."""
+        """A decode step of ``seqs`` sequences with the engine's drafts gave ``tokens``
+        tokens in ``seconds``; a plain step of as many sequences takes ``plain_seconds``."""
         if seqs < 2 or seconds <= 0 or plain_seconds <= 0:
             return
-        was_open = self.is_open(seqs)
         real = self._real.setdefault(seqs, _Ratio(_WEIGHT))
         real.add(tokens * plain_seconds, seqs * seconds)
-        if self.is_open(seqs):
-            if not was_open:
-                logger.info("speculation on again at %d sequences: a drafted step gave "
-                            "%.2fx the tokens per second of plain ones", seqs, real.value)
-            self._opened(seqs)
-        elif was_open:
+        if seqs not in self._closed and real.value < 1 + BATCH_GAIN:
+            self._closed.add(seqs)
             logger.info("speculation off at %d sequences: drafted steps gave %.2fx the "
                         "tokens per second of plain ones", seqs, real.value)
+        elif seqs in self._closed and real.value >= 1 + REOPEN_GAIN:
+            self._open([seqs])
+            logger.info("speculation on again at %d sequences: drafted steps gave %.2fx "
+                        "the tokens per second of plain ones", seqs, real.value)
 
     def record_shadow(self, seqs: int, tokens: int, seconds: float,
                       plain_seconds: float) -> None:
         """Shadow drafts over ``seqs`` sequences would have given ``tokens`` tokens in a
-        step estimated at ``seconds``: drafting at ``seqs`` opens again once enough such
-        estimates clear ``1 + REOPEN_GAIN``."""
+        step estimated at ``seconds``: a closed ``seqs`` opens again, and every smaller
+        size with it, once enough such estimates clear ``1 + REOPEN_GAIN``."""
         if seqs <= 0 or seconds <= 0 or plain_seconds <= 0 or self.is_open(seqs):
             return
         shadow = self._shadow.setdefault(seqs, _Ratio(_SHADOW_WEIGHT))
         shadow.add(tokens * plain_seconds, seqs * seconds)
-        if shadow.samples >= SHADOW_SAMPLES and shadow.value >= 1 + REOPEN_GAIN:
-            # what pays at this size pays at smaller ones (their rows cost less): their
-            # older verdicts go too
-            for b in [b for b in self._real if b < seqs]:
-                del self._real[b]
-                self._opened(b)
-            real = self._real[seqs] = _Ratio(_WEIGHT)
-            real.add(shadow.num, shadow.den)
-            self._opened(seqs)
-            logger.info("speculation on again at %d sequences and fewer: shadow drafts "
-                        "estimate %.2fx the tokens per second of plain steps", seqs, real.value)
+        if shadow.samples < SHADOW_SAMPLES or shadow.value < 1 + REOPEN_GAIN:
+            return
+        # what pays at this size pays at smaller ones (their rows cost less): their
+        # older verdicts go too
+        smaller = [b for b in self._real if b < seqs]
+        for b in smaller:
+            del self._real[b]
+        real = self._real[seqs] = _Ratio(_WEIGHT)
+        real.add(shadow.num, shadow.den)
+        self._open([seqs, *smaller])
+        logger.info("speculation on again at %d sequences and fewer: shadow drafts estimate "
+                    "%.2fx the tokens per second of plain steps", seqs, real.value)
 
-    def _opened(self, seqs: int) -> None:
-        """Drafts pay at ``seqs`` again: the next closing starts its evidence afresh."""
-        self._shadow.pop(seqs, None)
-        self._wait.pop(seqs, None)
-        self._retry_at.pop(seqs, None)
+    def _open(self, sizes: list[int]) -> None:
+        """``sizes`` are open again; every size now open starts its next closing's
+        evidence (shadows, retry waits) afresh."""
+        self._closed.difference_update(sizes)
+        for table in (self._shadow, self._wait, self._retry_at):
+            for b in [b for b in table if self.is_open(b)]:
+                del table[b]
 
     def allows(self, seqs: int, step: int, retry: bool = True) -> bool:
         """Whether a decode step of ``seqs`` sequences may verify the engine's drafts:
-        yes while drafting pays there, else only at a retry (``retry``; without it, only
+        yes while ``seqs`` is open, else only at a retry (``retry``; without it, only
         shadow drafts can open it again)."""
         if self.is_open(seqs):
             return True
@@ -261,7 +271,7 @@ class DraftYield:
 
 
 SHADOW_SAMPLES = 8    # shadow estimates needed before drafting opens again
-REOPEN_GAIN = 0.25    # ... and the gain they must show
+REOPEN_GAIN = 0.25    # ... and the gain they (or a retried size's average) must show
 # drafted steps of several sequences must realize this gain to stay on: drafts move the
 # sequences of a batch apart (some accept, some do not), so with equal answer lengths they
 # no longer end, nor their successors start, in the same steps, and each successor's
@@ -269,12 +279,13 @@ REOPEN_GAIN = 0.25    # ... and the gain they must show
 # lengths at 8 streams on the default model, a cost no single step's timing shows
 BATCH_GAIN = 0.05
 # one shadow step's estimate swings by +-30% around the mean on random text (its drafts
-# are few): the shadow average moves slowly, the realized one (every drafted step) faster
+# are few): the shadow average is a plain mean up to 16 samples, a slow moving one after
 _SHADOW_WEIGHT = 1 / 16
 
 
 class _Ratio:
-    """A ratio of two moving averages (``weight`` for the newest sample)."""
+    """A ratio of two averages: the plain mean of the first ``1 / weight`` samples, then a
+    moving average giving the newest ``weight``."""
 
     __slots__ = ("weight", "num", "den", "samples")
 
@@ -284,10 +295,10 @@ class _Ratio:
         self.samples = 0
 
     def add(self, num: float, den: float) -> None:
-        w = 1.0 if self.samples == 0 else self.weight
+        self.samples += 1
+        w = max(1.0 / self.samples, self.weight)
         self.num = (1 - w) * self.num + w * num
         self.den = (1 - w) * self.den + w * den
-        self.samples += 1
 
     @property
     def value(self) -> float:

@@ -330,7 +330,12 @@ class SpeculativeDecoder:
             return
         seqs = len(sched.scheduled)
         plain = self.costs.cost(seqs)
-        if seconds is not None and decode_only and plain is not None:
+        own = any(s.request.spec_state is not None and s.request.spec_state.prediction is None
+                  and not _seeded(s.request) for s in drafted)
+        if (seconds is not None and decode_only and plain is not None and own
+                and self.config.adaptive):
+            # the check weighs the engine's own drafts: a step whose drafts were all a
+            # client's prediction or a seeded request's says nothing about them
             self.yields.record(seqs, sum(len(t) for t in result.token_ids), seconds, plain)
         for s in drafted:
             req = s.request
@@ -360,6 +365,10 @@ class SpeculativeDecoder:
     def _observe_shadow(self, sched, result, where: dict[str, int]) -> None:
         """Compare the followed shadow drafts with the tokens this step generated."""
         shadow = self.shadow
+        scheduled = {s.request.request_id for s in sched.scheduled}
+        for rid in shadow.waiting_ids:
+            if rid not in scheduled:   # preempted, or left out of this step
+                self._settle_shadow(shadow.drop(rid))
         for s in sched.scheduled:
             req = s.request
             i = where.get(req.request_id)

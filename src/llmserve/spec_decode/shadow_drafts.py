@@ -14,8 +14,8 @@ exactly this; under sampling, a one-hot draft token is accepted with the probabi
 sampling draws it). Once every sequence of the step has answered, the step's estimate
 (``B`` plus the matched tokens, in the rows it would have had) goes to ``DraftYield``.
 
-One shadow step is followed at a time; a sequence that ends, is preempted or skips a step
-answers with the tokens matched so far.
+One shadow step is followed at a time; a sequence that ends, is preempted or is not
+scheduled in a step answers with the tokens matched so far.
 """
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ class ShadowDrafts:
     def __init__(self) -> None:
         self._step: Optional[ShadowStep] = None
         self._drafts: dict[str, _Draft] = {}
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        """The requests whose answer the followed step still waits for."""
+        return list(self._drafts)
 
     @property
     def following(self) -> bool:
