@@ -55,26 +55,39 @@ def test_a_closed_size_is_retried_after_a_wait_that_doubles():
 
 
 def test_shadow_estimates_reopen_a_closed_size_only_when_enough_of_them_pay():
+    """A shadow step is priced with what a draft row cost the drafted steps of its size:
+    here 4 drafts doubled a 4-sequence step (a draft row as dear as a plain row), so a
+    shadow step of 4 sequences and 4 drafts costs 8 plain rows."""
     y = DraftYield()
-    y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01)
-    good = dict(tokens=int(4 * (1 + REOPEN_GAIN) * 2) + 1, seconds=0.02, plain_seconds=0.01)
+    y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01, rows=8)
+    assert not y.is_open(4)
+    good = dict(rows=8, tokens=int(8 * (1 + REOPEN_GAIN)) + 1)
+    poor = dict(rows=8, tokens=5)
     for _ in range(SHADOW_SAMPLES - 1):
         y.record_shadow(4, **good)
         assert not y.is_open(4)                                    # not yet enough samples
-    y.record(2, tokens=2, seconds=0.02, plain_seconds=0.01)
-    y.record(6, tokens=6, seconds=0.02, plain_seconds=0.01)
+    y.record(2, tokens=2, seconds=0.02, plain_seconds=0.01, rows=4)
+    y.record(6, tokens=6, seconds=0.02, plain_seconds=0.01, rows=12)
     y.record_shadow(4, **good)
     assert y.is_open(4)
     # what pays at 4 sequences pays at fewer: the older verdict at 2 is dropped, not 6's
     assert y.is_open(2) and y.is_open(3) and not y.is_open(6)
     # closed again: a few lucky estimates among poor ones do not reopen it
     for _ in range(5):
-        y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01)
+        y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01, rows=8)
     assert not y.is_open(4)
     for i in range(4 * SHADOW_SAMPLES):
-        y.record_shadow(4, **(good if i % 4 == 0 else dict(tokens=5, seconds=0.02,
-                                                          plain_seconds=0.01)))
+        y.record_shadow(4, **(good if i % 4 == 0 else poor))
     assert not y.is_open(4)
+    # the same matches are worth more where draft rows cost less than plain rows
+    cheap = DraftYield()
+    cheap.record(4, tokens=4, seconds=0.012, plain_seconds=0.01, rows=8)   # 0.2 a row
+    for _ in range(SHADOW_SAMPLES):
+        cheap.record_shadow(4, **poor)                             # 5 / 4.8 = 1.04
+    assert not cheap.is_open(4)
+    for _ in range(SHADOW_SAMPLES):
+        cheap.record_shadow(4, rows=8, tokens=7)                   # 7 / 4.8 = 1.46
+    assert cheap.is_open(4)
 
 
 def test_a_shadow_draft_counts_the_tokens_the_sequence_then_generates():
@@ -147,7 +160,7 @@ def test_shadow_drafts_turn_drafting_back_on_without_verifying_a_draft(method):
     machine where drafts are cheap: shadow drafts, never verified, measure that they would
     pay, and drafting resumes. The tokens are those of plain decoding throughout."""
     prompts = PROMPTS * 2
-    ref = run(plain_core(), [req(f"r{i}", p, max_tokens=80) for i, p in enumerate(prompts)])
+    ref = run(plain_core(), [req(f"r{i}", p, max_tokens=200) for i, p in enumerate(prompts)])
     clock = Clock()
     core = spec_core(method=method, clock=clock)
     spec = core.spec
@@ -156,10 +169,11 @@ def test_shadow_drafts_turn_drafting_back_on_without_verifying_a_draft(method):
         costs.record(rows, 0.01 + 0.0001 * rows)
     spec.costs = costs
     for b in range(2, 11):
-        spec.yields.record(b, tokens=b, seconds=0.02, plain_seconds=0.01)
+        # closed, with draft rows measured at a tenth of a plain row
+        spec.yields.record(b, tokens=b, seconds=0.02, plain_seconds=0.01, rows=11 * b)
     assert not any(spec.yields.is_open(b) for b in range(2, 11))
     _timed(core, clock, lambda rows: 0.01 + 0.0001 * rows)
-    got = run(core, [req(f"r{i}", p, max_tokens=80) for i, p in enumerate(prompts)])
+    got = run(core, [req(f"r{i}", p, max_tokens=200) for i, p in enumerate(prompts)])
     assert got == ref
     drafted = [i for i, sch in enumerate(core.schedules) if len(sch.scheduled) >= 2
                and any(s.num_draft_tokens for s in sch.scheduled)]
@@ -172,20 +186,20 @@ def test_one_lucky_estimate_does_not_carry_the_shadow_average():
     """The shadow average is a plain mean of its first samples: a first estimate of 1.6x
     followed by seven of 1.0x is 1.075x, not enough to reopen."""
     y = DraftYield()
-    y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01)
-    y.record_shadow(4, tokens=int(4 * 1.6 * 2), seconds=0.02, plain_seconds=0.01)
+    y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01, rows=8)
+    y.record_shadow(4, rows=8, tokens=int(8 * 1.6))
     for _ in range(SHADOW_SAMPLES - 1):
-        y.record_shadow(4, tokens=8, seconds=0.02, plain_seconds=0.01)
+        y.record_shadow(4, rows=8, tokens=8)
     assert not y.is_open(4)
 
 
 def test_a_retried_size_needs_the_wider_margin_to_open_and_forgets_its_neighbours_evidence():
     y = DraftYield()
-    y.record(8, tokens=8, seconds=0.02, plain_seconds=0.01)       # 0.5x: closed
+    y.record(8, tokens=8, seconds=0.02, plain_seconds=0.01, rows=16)   # 0.5x: closed
     for _ in range(6):
         y.record(8, tokens=int(8 * 1.1 * 2), seconds=0.02, plain_seconds=0.01)
     assert not y.is_open(8)            # 1.1x retries: above the closing bar, below reopening
-    good = dict(tokens=int(7 * (1 + REOPEN_GAIN) * 2) + 1, seconds=0.02, plain_seconds=0.01)
+    good = dict(rows=14, tokens=int(14 * (1 + REOPEN_GAIN)) + 1)
     for _ in range(SHADOW_SAMPLES - 1):
         y.record_shadow(7, **good)     # 7 is closed through its neighbour 8
     for _ in range(6):
@@ -202,11 +216,39 @@ def test_a_shadow_sequence_left_out_of_a_step_answers_at_once():
     or left out) answers with what it matched, so the shadow step does not hang."""
     from types import SimpleNamespace
 
-    spec = spec_core().spec
-    spec.shadow.start(2, 6, {"a": ([1, 2], 5), "b": ([3], 7)})
-    b = SimpleNamespace(request=SimpleNamespace(request_id="b", num_tokens=7,
-                                                status=RequestStatus.RUNNING))
-    sched = SimpleNamespace(scheduled=[b])
-    result = SimpleNamespace(request_ids=["b"], token_ids=[[3]])
-    spec._observe_shadow(sched, result, {"b": 0})
-    assert not spec.shadow.following
+    sh = ShadowDrafts()
+    sh.start(2, 6, {"a": ([1, 2], 5), "b": ([3], 7)})
+    b = SimpleNamespace(request_id="b", num_tokens=7, status=RequestStatus.RUNNING)
+    step = sh.observe_step([b], {"b": [3]})
+    assert step is not None and step.matched == 1
+    assert not sh.following
+
+
+def test_a_reopening_that_does_not_pay_makes_the_next_need_more():
+    """Shadows promised 1.5x, the drafted steps that followed gave 0.875x: the shadows
+    are trusted at 0.875 / 1.5, and the same estimate no longer reopens."""
+    y = DraftYield()
+    y.record(4, tokens=4, seconds=0.02, plain_seconds=0.01, rows=8)      # closed
+    for _ in range(SHADOW_SAMPLES):
+        y.record_shadow(4, rows=8, tokens=12)                            # 12 / 8 = 1.5x
+    assert y.is_open(4) and y.gain(4) is None      # judged afresh by its drafted steps
+    y.record(4, tokens=7, seconds=0.02, plain_seconds=0.01, rows=8)      # 0.875x
+    assert not y.is_open(4) and y.shadow_trust == pytest.approx(0.875 / 1.5)
+    for _ in range(3 * SHADOW_SAMPLES):
+        y.record_shadow(4, rows=8, tokens=12)
+    assert not y.is_open(4)
+    for _ in range(2 * SHADOW_SAMPLES):
+        y.record_shadow(4, rows=8, tokens=24)              # 3x (1.75x trusted) still does
+    assert y.is_open(4)
+
+
+def test_with_drafting_off_every_output_still_joins_the_suffix_cache():
+    """Every batch size closed and no shadow step due: requests that never drafted still
+    leave their outputs in suffix decoding's global tree."""
+    core = spec_core(method="suffix")
+    spec = core.spec
+    for b in range(2, 16):
+        spec.yields.record(b, tokens=b, seconds=0.02, plain_seconds=0.01, rows=2 * b)
+    spec._next_shadow = 10**9
+    run(core, [req(f"r{i}", p, max_tokens=30) for i, p in enumerate(PROMPTS * 3)])
+    assert spec.proposer.num_cached_requests == len(PROMPTS) * 3

@@ -161,7 +161,16 @@ class DraftYield:
 
     * from shadow drafts (:mod:`~llmserve.spec_decode.shadow_drafts`, proposers whose
       drafts are cheap): the mean of at least ``SHADOW_SAMPLES`` estimates (a moving
-      average once there are 16), which opens every smaller size with it; or
+      average once there are 16), times ``shadow_trust``, which opens every smaller size
+      with it. ``shadow_trust`` (at most 1) is what the drafted steps after the last
+      shadow reopening realized over what the shadows estimated: shadows run ahead of
+      the drafted steps they lead to (on random text at 8 streams by about a third), so
+      a reopening that does not pay makes the next one need that much more. A shadow step's
+      tokens are counted, its time is not: it is priced with what a draft row cost
+      the drafted steps of that size, relative to a plain step (``B + r * drafts`` plain
+      rows for ``r`` the measured ratio), not with the cost model's seconds for its row
+      count, which go stale (or were extrapolated from one slow step) while nothing
+      drafts; or
     * from retries (other proposers): a drafted step after ``retry_after`` steps, the wait
       doubling with each retry granted (up to ``max_retry_after``), its realized gain
       added to the size's average.
@@ -174,8 +183,13 @@ class DraftYield:
         self.retry_after = retry_after
         self.max_retry_after = max_retry_after
         self._real: dict[int, _Ratio] = {}
+        self._row_cost: dict[int, _Ratio] = {}   # a draft row's time over a plain row's
         self._closed: set[int] = set()
         self._shadow: dict[int, _Ratio] = {}
+        # what a size reopened by shadows then realized over what its shadows estimated
+        # (at most 1), the last such verdict; shadow estimates are scaled by it
+        self.shadow_trust = 1.0
+        self._promised: dict[int, float] = {}   # size reopened by shadows -> their estimate
         self._wait: dict[int, int] = {}
         self._retry_at: dict[int, int] = {}
 
@@ -191,7 +205,7 @@ class DraftYield:
         """The realized gain of drafted steps of ``seqs`` sequences, or of the nearest size
         measured; None before any drafted step of two sequences or more."""
         near = self._nearest(seqs)
-        return None if near is None else self._real[near].value
+        return None if near is None or not self._real[near].samples else self._real[near].value
 
     def is_open(self, seqs: int) -> bool:
         """Whether steps of ``seqs`` sequences may verify the engine's drafts (as far as
@@ -204,13 +218,23 @@ class DraftYield:
         near = self._nearest(seqs)
         return near is None or near not in self._closed
 
-    def record(self, seqs: int, tokens: int, seconds: float, plain_seconds: float) -> None:
-        """A decode step of ``seqs`` sequences with the engine's drafts gave ``tokens``
-        tokens in ``seconds``; a plain step of as many sequences takes ``plain_seconds``."""
+    def record(self, seqs: int, tokens: int, seconds: float, plain_seconds: float,
+               rows: int = 0) -> None:
+        """A decode step of ``seqs`` sequences with the engine's drafts (``rows`` rows in
+        all) gave ``tokens`` tokens in ``seconds``; a plain step of as many sequences
+        takes ``plain_seconds``."""
         if seqs < 2 or seconds <= 0 or plain_seconds <= 0:
             return
         real = self._real.setdefault(seqs, _Ratio(_WEIGHT))
-        real.add(tokens * plain_seconds, seqs * seconds)
+        real.add(tokens, seqs * seconds / plain_seconds)   # tokens, plain rows' time
+        if rows > seqs:
+            self._row_cost.setdefault(seqs, _Ratio(_WEIGHT)).add(
+                (seconds / plain_seconds - 1) * seqs, rows - seqs)
+        promised = self._promised.get(seqs)
+        if promised is not None and (real.samples >= _TRUST_SAMPLES
+                                     or real.value < 1 + BATCH_GAIN):
+            del self._promised[seqs]
+            self.shadow_trust = min(1.0, real.value / promised)
         if seqs not in self._closed and real.value < 1 + BATCH_GAIN:
             self._closed.add(seqs)
             logger.info("speculation off at %d sequences: drafted steps gave %.2fx the "
@@ -220,27 +244,30 @@ class DraftYield:
             logger.info("speculation on again at %d sequences: drafted steps gave %.2fx "
                         "the tokens per second of plain ones", seqs, real.value)
 
-    def record_shadow(self, seqs: int, tokens: int, seconds: float,
-                      plain_seconds: float) -> None:
-        """Shadow drafts over ``seqs`` sequences would have given ``tokens`` tokens in a
-        step estimated at ``seconds``: a closed ``seqs`` opens again, and every smaller
+    def record_shadow(self, seqs: int, rows: int, tokens: int) -> None:
+        """Shadow drafts over ``seqs`` sequences (``rows`` rows with their drafts) would
+        have given ``tokens`` tokens: a closed ``seqs`` opens again, and every smaller
         size with it, once enough such estimates clear ``1 + REOPEN_GAIN``."""
-        if seqs <= 0 or seconds <= 0 or plain_seconds <= 0 or self.is_open(seqs):
+        if seqs <= 0 or rows < seqs or self.is_open(seqs) or not self._row_cost:
             return
+        near = min(self._row_cost, key=lambda b: (abs(b - seqs), b))
+        per_row = max(0.0, self._row_cost[near].value)
         shadow = self._shadow.setdefault(seqs, _Ratio(_SHADOW_WEIGHT))
-        shadow.add(tokens * plain_seconds, seqs * seconds)
-        if shadow.samples < SHADOW_SAMPLES or shadow.value < 1 + REOPEN_GAIN:
+        shadow.add(tokens, seqs + per_row * (rows - seqs))
+        if shadow.samples < SHADOW_SAMPLES or shadow.value * self.shadow_trust < 1 + REOPEN_GAIN:
             return
         # what pays at this size pays at smaller ones (their rows cost less): their
         # older verdicts go too
         smaller = [b for b in self._real if b < seqs]
         for b in smaller:
             del self._real[b]
-        real = self._real[seqs] = _Ratio(_WEIGHT)
-        real.add(shadow.num, shadow.den)
+        # the drafted steps that follow are judged on their own (and judge the shadows)
+        self._real[seqs] = _Ratio(_WEIGHT)
+        self._promised[seqs] = shadow.value
         self._open([seqs, *smaller])
         logger.info("speculation on again at %d sequences and fewer: shadow drafts estimate "
-                    "%.2fx the tokens per second of plain steps", seqs, real.value)
+                    "%.2fx the tokens per second of plain steps (trusted at %.2f)", seqs,
+                    shadow.value, self.shadow_trust)
 
     def _open(self, sizes: list[int]) -> None:
         """``sizes`` are open again; every size now open starts its next closing's
@@ -270,7 +297,7 @@ class DraftYield:
         return True
 
 
-SHADOW_SAMPLES = 8    # shadow estimates needed before drafting opens again
+SHADOW_SAMPLES = 16   # shadow estimates needed before drafting opens again
 REOPEN_GAIN = 0.25    # ... and the gain they (or a retried size's average) must show
 # drafted steps of several sequences must realize this gain to stay on: drafts move the
 # sequences of a batch apart (some accept, some do not), so with equal answer lengths they
@@ -278,6 +305,8 @@ REOPEN_GAIN = 0.25    # ... and the gain they (or a retried size's average) must
 # prefill then takes a step of its own; that cost about 6% of a closed-loop run of fixed
 # lengths at 8 streams on the default model, a cost no single step's timing shows
 BATCH_GAIN = 0.05
+# drafted steps after a shadow reopening that judge the shadows' promise
+_TRUST_SAMPLES = 4
 # one shadow step's estimate swings by +-30% around the mean on random text (its drafts
 # are few): the shadow average is a plain mean up to 16 samples, a slow moving one after
 _SHADOW_WEIGHT = 1 / 16

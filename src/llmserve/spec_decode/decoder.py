@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 _EMA_WEIGHT = 0.5          # weight of the newest acceptance rate in the moving average
 _FULL_K_ACCEPTANCE = 0.6   # at or above this average acceptance a request drafts k tokens
 _MIN_BACKOFF, _MAX_BACKOFF = 4, 256
+# steps between two shadow steps: proposing for a whole batch costs ~0.2 ms a sequence
+# (suffix trees), which a shadow step every few steps made ~6% of a plain 8-sequence step
+_SHADOW_EVERY = 16
 
 
 class SpecState:
@@ -134,6 +137,7 @@ class SpeculativeDecoder:
             ShadowDrafts() if proposer is not None and config.method in ("ngram", "suffix")
             else None)
         self._predicted: set[str] = set()    # live requests that bring a prediction
+        self._next_shadow = 0                # the first step a shadow step may start at
         self._drafted: list[Request] = []    # requests given drafts by the last propose
 
     def prediction_state(self, request_id: str, token_ids: Sequence[int]) -> SpecState:
@@ -203,9 +207,15 @@ class SpeculativeDecoder:
             # brought, or a seeded request's, are verified (until a retry, or until
             # shadow drafts show that drafting would pay)
             fixed = [w for w in wanted if w[1].prediction is not None or _seeded(w[0])]
-            shadow = not fixed and self.shadow is not None and not self.shadow.following
-            if not shadow:
+            shadow = (not fixed and self.shadow is not None and not self.shadow.following
+                      and step >= self._next_shadow)
+            if shadow:
+                self._next_shadow = step + _SHADOW_EVERY
+            else:
                 wanted = fixed
+                track = getattr(self.proposer, "track", None)
+                if track is not None:   # suffix: every output still joins the global tree
+                    track(decoding)
         if wanted and self.config.adaptive and not self.costs.explores(step):
             wanted = self._plan(wanted, len(running))
         for req, state, k in wanted:
@@ -249,11 +259,8 @@ class SpeculativeDecoder:
 
     def _settle_shadow(self, step: Optional[ShadowStep]) -> None:
         """A shadow step every sequence has answered: its estimate to ``yields``."""
-        if step is None:
-            return
-        seconds, plain = self.costs.cost(step.rows), self.costs.cost(step.seqs)
-        if seconds is not None and plain is not None:
-            self.yields.record_shadow(step.seqs, step.seqs + step.matched, seconds, plain)
+        if step is not None:
+            self.yields.record_shadow(step.seqs, step.rows, step.seqs + step.matched)
 
     def _even_out(self, decoding: list[Request], step: int) -> None:
         """Give every decoding sequence ``L`` drafts (module docstring, "Uniform steps")."""
@@ -324,8 +331,10 @@ class SpeculativeDecoder:
         if not drafted and not following:
             return
         where = {rid: i for i, rid in enumerate(result.request_ids)}
-        if following:
-            self._observe_shadow(sched, result, where)
+        if following and self.shadow is not None:
+            self._settle_shadow(self.shadow.observe_step(
+                [s.request for s in sched.scheduled],
+                {rid: result.token_ids[i] for rid, i in where.items()}))
         if not drafted:
             return
         seqs = len(sched.scheduled)
@@ -336,7 +345,8 @@ class SpeculativeDecoder:
                 and self.config.adaptive):
             # the check weighs the engine's own drafts: a step whose drafts were all a
             # client's prediction or a seeded request's says nothing about them
-            self.yields.record(seqs, sum(len(t) for t in result.token_ids), seconds, plain)
+            self.yields.record(seqs, sum(len(t) for t in result.token_ids), seconds, plain,
+                               rows=sched.num_batched_tokens)
         for s in drafted:
             req = s.request
             i = where.get(req.request_id)
@@ -361,22 +371,6 @@ class SpeculativeDecoder:
                 if state.from_prediction:
                     state.accepted_prediction += accepted
                 self._adapt(state, min(accepted, own) / own, step)
-
-    def _observe_shadow(self, sched, result, where: dict[str, int]) -> None:
-        """Compare the followed shadow drafts with the tokens this step generated."""
-        shadow = self.shadow
-        scheduled = {s.request.request_id for s in sched.scheduled}
-        for rid in shadow.waiting_ids:
-            if rid not in scheduled:   # preempted, or left out of this step
-                self._settle_shadow(shadow.drop(rid))
-        for s in sched.scheduled:
-            req = s.request
-            i = where.get(req.request_id)
-            if i is None or req.status is not RequestStatus.RUNNING or not result.token_ids[i]:
-                self._settle_shadow(shadow.drop(req.request_id))
-            else:
-                self._settle_shadow(shadow.observe(req.request_id, req.num_tokens,
-                                                   result.token_ids[i][0]))
 
     def _adapt(self, state: SpecState, rate: float, step: int) -> None:
         state.ema = (1 - _EMA_WEIGHT) * state.ema + _EMA_WEIGHT * rate

@@ -20,7 +20,9 @@ scheduled in a step answers with the tokens matched so far.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
+
+from llmserve.engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -97,3 +99,21 @@ class ShadowDrafts:
             return None
         self._step = None
         return step
+
+    def observe_step(self, scheduled: Sequence[Request],
+                     tokens: dict[str, list[int]]) -> Optional[ShadowStep]:
+        """Compare the followed drafts with a step's tokens (``tokens[request_id]``, before
+        they are appended to ``scheduled``); the step once every sequence has answered.
+        A followed sequence the step left out, or that produced nothing, answers now."""
+        settled = None
+        ids = {req.request_id for req in scheduled}
+        for rid in self.waiting_ids:
+            if rid not in ids:   # preempted, or left out of this step
+                settled = self.drop(rid) or settled
+        for req in scheduled:
+            new = tokens.get(req.request_id)
+            if not new or req.status is not RequestStatus.RUNNING:
+                settled = self.drop(req.request_id) or settled
+            else:
+                settled = self.observe(req.request_id, req.num_tokens, new[0]) or settled
+        return settled

@@ -157,10 +157,20 @@ class SuffixProposer:
         return [self._propose_one(r, k) if k > 0 else EMPTY
                 for r, k in zip(requests, num_tokens)]
 
-    def _propose_one(self, req: Request, k: int) -> Proposal:
+    def track(self, requests: Sequence[Request]) -> None:
+        """Follow ``requests`` without proposing: their outputs join the global tree when
+        they end even if nothing was ever drafted for them (drafting was off)."""
+        for req in requests:
+            self._index(req)
+
+    def _index(self, req: Request) -> _RequestIndex:
         index = self._requests.get(req.request_id)
         if index is None or index.tokens is not req.all_token_ids:
             index = self._requests[req.request_id] = _RequestIndex(req, self.max_depth)
+        return index
+
+    def _propose_one(self, req: Request, k: int) -> Proposal:
+        index = self._index(req)
         tokens = index.tokens
         live = index.tree.extend(tokens)
         best: list[int] = []
