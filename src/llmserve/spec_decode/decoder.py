@@ -200,6 +200,9 @@ class SpeculativeDecoder:
             k = self._num_drafts(req, state, step)
             if k > 0:
                 wanted.append((req, state, k))
+        track = getattr(self.proposer, "track", None)
+        if track is not None:   # suffix: drafted for or not, every output joins the cache
+            track(decoding)
         shadow = False
         if wanted and self.config.adaptive and not self.yields.allows(
                 len(running), step, retry=self.shadow is None):
@@ -213,9 +216,6 @@ class SpeculativeDecoder:
                 self._next_shadow = step + _SHADOW_EVERY
             else:
                 wanted = fixed
-                track = getattr(self.proposer, "track", None)
-                if track is not None:   # suffix: every output still joins the global tree
-                    track(decoding)
         if wanted and self.config.adaptive and not self.costs.explores(step):
             wanted = self._plan(wanted, len(running))
         for req, state, k in wanted:
