@@ -193,18 +193,17 @@ class DraftYield:
         self._wait: dict[int, int] = {}
         self._retry_at: dict[int, int] = {}
 
-    def _nearest(self, seqs: int) -> Optional[int]:
-        """The measured size nearest ``seqs`` (the smaller of two as near): a batch passing
-        through a size it has not drafted at yet (requests ending one by one) does not
-        draft to learn what its neighbours already showed."""
-        if not self._real:
-            return None
-        return min(self._real, key=lambda b: (abs(b - seqs), b))
+    @staticmethod
+    def _nearest(table: dict[int, "_Ratio"], seqs: int) -> Optional[int]:
+        """The size in ``table`` nearest ``seqs`` (the smaller of two as near): a batch
+        passing through a size it has not drafted at yet (requests ending one by one) does
+        not draft to learn what its neighbours already showed."""
+        return min(table, key=lambda b: (abs(b - seqs), b)) if table else None
 
     def gain(self, seqs: int) -> Optional[float]:
         """The realized gain of drafted steps of ``seqs`` sequences, or of the nearest size
         measured; None before any drafted step of two sequences or more."""
-        near = self._nearest(seqs)
+        near = self._nearest(self._real, seqs)
         return None if near is None or not self._real[near].samples else self._real[near].value
 
     def is_open(self, seqs: int) -> bool:
@@ -215,7 +214,7 @@ class DraftYield:
         stretch of new text)."""
         if seqs < 2:
             return True
-        near = self._nearest(seqs)
+        near = self._nearest(self._real, seqs)
         return near is None or near not in self._closed
 
     def record(self, seqs: int, tokens: int, seconds: float, plain_seconds: float,
@@ -248,9 +247,9 @@ class DraftYield:
         """Shadow drafts over ``seqs`` sequences (``rows`` rows with their drafts) would
         have given ``tokens`` tokens: a closed ``seqs`` opens again, and every smaller
         size with it, once enough such estimates clear ``1 + REOPEN_GAIN``."""
-        if seqs <= 0 or rows < seqs or self.is_open(seqs) or not self._row_cost:
+        near = self._nearest(self._row_cost, seqs)
+        if seqs <= 0 or rows < seqs or self.is_open(seqs) or near is None:
             return
-        near = min(self._row_cost, key=lambda b: (abs(b - seqs), b))
         per_row = max(0.0, self._row_cost[near].value)
         shadow = self._shadow.setdefault(seqs, _Ratio(_SHADOW_WEIGHT))
         shadow.add(tokens, seqs + per_row * (rows - seqs))

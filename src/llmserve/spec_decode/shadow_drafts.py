@@ -33,7 +33,6 @@ class ShadowStep:
     seqs: int
     rows: int
     matched: int = 0
-    waiting: int = 0
 
 
 class _Draft:
@@ -70,7 +69,7 @@ class ShadowDrafts:
         live = {rid: _Draft(list(t), first) for rid, (t, first) in drafts.items() if t}
         if not live:
             return
-        self._step = ShadowStep(seqs, rows, waiting=len(live))
+        self._step = ShadowStep(seqs, rows)
         self._drafts = live
 
     def observe(self, request_id: str, position: int, token: int) -> Optional[ShadowStep]:
@@ -94,8 +93,7 @@ class ShadowDrafts:
         if draft is None or step is None:
             return None
         step.matched += draft.matched
-        step.waiting -= 1
-        if step.waiting > 0:
+        if self._drafts:   # others still to answer
             return None
         self._step = None
         return step
