@@ -144,6 +144,20 @@ def test_low_acceptance_pauses_a_request():
     assert 1 <= core.spec._num_drafts(r, r.spec_state, later) < 4
 
 
+def test_suffix_requests_never_back_off():
+    """Suffix drafts carry their own confidence: a request whose drafts were rejected
+    drafts its full k again at the next step (a back-off slowed copying after new text),
+    while its acceptance average still falls and is floored for the per-step plan."""
+    core = spec_core(k=6, method="suffix")
+    r = req("a", PROMPTS[0], max_tokens=40)
+    r.spec_state = SpecState()
+    for step in (4, 5, 6):
+        core.spec._adapt(r.spec_state, 0.0, step=step)
+    assert r.spec_state.paused_until == 0
+    assert 0 < r.spec_state.ema < 1.0
+    assert core.spec._num_drafts(r, r.spec_state, 7) == 6
+
+
 def test_kv_lookahead_is_not_cached_and_trim_rolls_back():
     kv = KVCacheManager(16, BLOCK, enable_prefix_caching=True, fingerprint="t")
     r = Request("a", list(range(20, 27)), SamplingParams(max_tokens=20), max_model_len=64)

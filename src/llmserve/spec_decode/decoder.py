@@ -12,7 +12,9 @@ KV blocks that only rejected drafts used (`KVCacheManager.trim`) and updates sta
 
 Adaptive k, per request: an exponential moving average of the acceptance rate scales the
 request's k down from ``num_speculative_tokens``; under ``min_acceptance`` the request
-stops speculating for a back-off that doubles each time (4 .. 256 steps).
+stops speculating for a back-off that doubles each time (4 .. 256 steps). Not so for
+suffix drafts, which carry a confidence per token: a request drafts again the moment it
+copies (a back-off cost agent edits ~10% at c=1); its average still feeds the plan below.
 
 Adaptive, per step (spec_decode/cost_model.py): the engine's decode-step times are
 measured per row count, and drafts go to the requests most likely to have them accepted
@@ -139,6 +141,8 @@ class SpeculativeDecoder:
         self._predicted: set[str] = set()    # live requests that bring a prediction
         self._next_shadow = 0                # the first step a shadow step may start at
         self._drafted: list[Request] = []    # requests given drafts by the last propose
+        # proposers without a confidence of their own back off per request (Adaptive k)
+        self._backs_off = config.method != "suffix"
 
     def prediction_state(self, request_id: str, token_ids: Sequence[int]) -> SpecState:
         """The state of a request that brings a predicted output."""
@@ -308,7 +312,7 @@ class SpeculativeDecoder:
     def _num_drafts(self, req: Request, state: SpecState, step: int) -> int:
         cfg = self.config
         k = cfg.num_speculative_tokens
-        if cfg.adaptive:
+        if cfg.adaptive and self._backs_off:
             if step < state.paused_until:
                 return 0
             if state.ema < _FULL_K_ACCEPTANCE:
@@ -377,8 +381,9 @@ class SpeculativeDecoder:
         if not self.config.adaptive:
             return
         if state.ema < self.config.min_acceptance:
-            state.paused_until = step + state.backoff
-            state.backoff = min(2 * state.backoff, _MAX_BACKOFF)
+            if self._backs_off:
+                state.paused_until = step + state.backoff
+                state.backoff = min(2 * state.backoff, _MAX_BACKOFF)
             state.ema = _FULL_K_ACCEPTANCE / 2   # resume carefully: a short draft
         elif rate >= 0.5:
             state.backoff = max(_MIN_BACKOFF, state.backoff // 2)
