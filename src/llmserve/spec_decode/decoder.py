@@ -10,17 +10,14 @@ drafts plus one token of its own. :meth:`SpeculativeDecoder.on_step_done` then m
 sequence's computed position past the accepted drafts (their KV is now valid), frees the
 KV blocks that only rejected drafts used (`KVCacheManager.trim`) and updates statistics.
 
-Adaptive k, per request: an exponential moving average of the acceptance rate scales the
-request's k down from ``num_speculative_tokens``; under ``min_acceptance`` the request
-stops speculating for a back-off that doubles each time (4 .. 256 steps). Not so for
-suffix drafts, which carry a confidence per token: a request drafts again the moment it
-copies (a back-off cost agent edits ~10% at c=1); its average still feeds the plan below.
+Adaptive k, per request: a moving average of the acceptance rate scales k down; under
+``min_acceptance`` the request stops drafting for a back-off that doubles (4 .. 256 steps),
+except with suffix drafts, which carry their own confidence (a back-off cost agent edits
+~10% at c=1); the average still feeds the plan below.
 
-Adaptive, per step (spec_decode/cost_model.py): the engine's decode-step times are
-measured per row count, and drafts go to the requests most likely to have them accepted
-only while the step's expected tokens per second still grow; at a large batch, where a
-step is bound by compute, drafts that will mostly be rejected are not verified at all.
-Speculation is also off while more than ``max_batch`` sequences run.
+Adaptive, per step (spec_decode/cost_model.py): from decode-step times per row count,
+drafts go to the requests most likely to have them accepted only while the step's
+expected tokens per second still grow. Off while more than ``max_batch`` sequences run.
 
 Uniform steps (n-gram and suffix proposers): when several sequences decode, every one gets
 the same number of drafts ``L`` (longer drafts cut, shorter ones filled with a repeat of
@@ -32,9 +29,8 @@ prompt, or a waiting one the scheduler may admit) runs eagerly whatever the draf
 draft rows cost more there: these methods draft in the decode-only steps around it.
 
 The check on the plan (``DraftYield``, spec_decode/cost_model.py): from two sequences up,
-each drafted decode step's realized tokens per second are compared with a plain step's;
-where they fall short (by the margin that covers what drafting costs a batch beyond its
-own steps), steps of that batch size verify no drafts of the engine's own. n-gram and
+drafted steps' realized tokens per second are compared with a plain step's; where they fall
+short, steps of that batch size verify no drafts of the engine's own. n-gram and
 suffix drafts are then still proposed now and then as shadow drafts, never verified but
 compared with the tokens the sequences go on to generate (spec_decode/shadow_drafts.py),
 and drafting opens again once they show it would pay; the draft model's proposals, too
