@@ -114,21 +114,33 @@ _FORCED_TIER = """
 import sys, torch
 from tests.model.test_batch_invariance import GREEDY, TARGETS, run
 from tests.model.test_batch_invariance_formats import MANY_FILLERS
-from llmserve import LLM
+from llmserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], quantization="auto", num_kv_blocks=512, block_size=16, max_num_seqs=64,
           enforce_eager=False, enable_prefix_caching=False)
 plan = llm.engine.runner.kernel_plan
 alone = [run(llm, [p], GREEDY) for p in TARGETS]
 batched = run(llm, TARGETS + MANY_FILLERS, GREEDY)
+# suffix drafts: the first pass's outputs join the global tree, the second pass drafts
+# from them (every draft a verified row)
+long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+plain = [run(llm, [p], long) for p in TARGETS[:3]]
+spec = LLM(sys.argv[1], quantization="auto", num_kv_blocks=512, block_size=16,
+           enforce_eager=False, enable_prefix_caching=False, speculative_method="suffix",
+           num_speculative_tokens=3)
+first = run(spec, TARGETS[:3], long)
+drafted = run(spec, TARGETS[:3], long)
 torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled is not None,
             "alone": ([a[0][0] for a in alone], [a[1][0] for a in alone]),
-            "batched": (batched[0][:4], batched[1][:4])}, sys.argv[2])
+            "batched": (batched[0][:4], batched[1][:4]), "first": first, "drafted": drafted,
+            "plain": ([a[0][0] for a in plain], [a[1][0] for a in plain]),
+            "accepted": spec.engine.get_stats().spec_accepted_tokens_total}, sys.argv[2])
 """
 
 
 def test_the_avx2_tier_gives_the_same_tokens_alone_and_in_a_batch_of_64(tmp_path):
     """The same check on the avx2 tier (``LLMSERVE_CPU_ISA=avx2``, a fresh process: the tier
-    is chosen once at start-up), for a Q6_K file, compiled graphs on, ``--dtype auto``."""
+    is chosen once at start-up), for a Q6_K file, compiled graphs on, ``--dtype auto``; and
+    with suffix drafts verified (issue 32: exact on every tier)."""
     import os
     import subprocess
     import sys
@@ -145,3 +157,6 @@ def test_the_avx2_tier_gives_the_same_tokens_alone_and_in_a_batch_of_64(tmp_path
     got = torch.load(out)
     assert got["tier"] == "avx2" and got["compiled"]
     assert_same(got["alone"], got["batched"], "avx2 tier, Q6_K: batch of 64")
+    assert got["accepted"] > 0    # drafts were verified and some kept
+    assert_same(got["plain"], got["first"], "avx2 tier, Q6_K: suffix speculation on")
+    assert_same(got["plain"], got["drafted"], "avx2 tier, Q6_K: with suffix drafts")
