@@ -134,9 +134,26 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_path, method):
     """A 4-token vocabulary (the runner samples from the first 4 logits): the exact
     probability of every 3-token continuation against sampling with n-gram drafts. (A draft
     model proposes from its whole vocabulary: test_spec_draft_model.py has that case.)"""
+    _check_target_distribution(tiny_path, method, {})
+
+
+def test_sampled_outputs_follow_the_target_distribution_on_the_default_path(tmp_path):
+    """The same on the default path's arithmetic: a Q4_1 GGUF kept packed, bf16 activations
+    and KV, int8 activations in the products where the CPU has VNNI (eager steps: compiled
+    ones give the same bits, tests/model/test_batch_invariance.py)."""
+    from tests.model.tiny_checkpoints import make_tiny_gguf
+
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", num_heads=4, num_kv_heads=2,
+                              seed=5)
+    path = make_tiny_gguf(hf, str(tmp_path / "tiny-q4_1.gguf"), quant="Q4_1", with_tokenizer=True)
+    llm = _check_target_distribution(path, "suffix", dict(dtype="auto", quantization="auto"))
+    assert "int4" in llm.engine.runner.quantization
+
+
+def _check_target_distribution(path, method, settings):
     vocab = 4
     prompt = [0, 1, 3, 0, 1, 3, 0, 1]
-    exact_llm = _llm(tiny_path, spec=False, num_kv_blocks=256)
+    exact_llm = _llm(path, spec=False, num_kv_blocks=256, **settings)
     exact_llm.engine.runner.sample_vocab_size = vocab
     probe = SamplingParams(max_tokens=1, temperature=0, logprobs=vocab, ignore_eos=True)
     prefixes = [()] + [(a,) for a in range(vocab)] + list(itertools.product(range(vocab), repeat=2))
@@ -147,8 +164,8 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_path, method):
                 for seq in itertools.product(range(vocab), repeat=3)}
     assert abs(sum(expected.values()) - 1) < 1e-4
 
-    llm = _llm(tiny_path, spec=method, num_kv_blocks=512, max_num_seqs=64,
-               speculative_max_batch=64, check_invariants=False)
+    llm = _llm(path, spec=method, num_kv_blocks=512, max_num_seqs=64,
+               speculative_max_batch=64, check_invariants=False, **settings)
     llm.engine.runner.sample_vocab_size = vocab
     n = 2000
     params = SamplingParams(n=n, max_tokens=3, temperature=1.0, ignore_eos=True)
@@ -158,6 +175,7 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_path, method):
     assert stats.proposed_tokens > 500 and 0 < stats.accepted_tokens < stats.proposed_tokens
     stat, df = chi_square(counts, expected, n)
     assert stat < _chi2_critical(df), (stat, df, counts.most_common(8))
+    return llm
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
