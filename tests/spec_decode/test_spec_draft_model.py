@@ -98,3 +98,29 @@ def test_tokenizer_mismatch_is_a_clear_start_up_error(paths, tmp_path):
         json.dump(tok, f)
     with pytest.raises(ValueError, match="another tokenizer"):
         _llm(target, odd)
+
+
+def test_the_draft_runs_compiled_decode_steps_like_the_target(paths, monkeypatch):
+    """With compiled steps on, the draft model's runner compiles its decode step before the
+    engine is ready and runs its k passes a step through it; greedy answers stay the
+    target's own."""
+    from llmserve.model.executor.compile import CompiledDecodeStep
+
+    target, other = paths
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = _llm(target, enforce_eager=True).generate(PROMPTS, params)
+    llm = _llm(target, other, enforce_eager=False, max_num_seqs=8)
+    draft = llm.engine.spec.proposer.runner
+    assert draft.compiled is not None and draft.graphs_ready
+    calls = Counter()
+    call = CompiledDecodeStep.__call__
+
+    def counted(self, staged):
+        calls["draft" if self is draft.compiled else "target"] += 1
+        return call(self, staged)
+
+    monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
+    got = llm.generate(PROMPTS, params)
+    assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
+    assert llm.engine.spec.stats.proposed_tokens > 0
+    assert calls["draft"] > 0, calls

@@ -23,6 +23,7 @@ The self-draft: the target's own checkpoint loaded again at a cheaper precision
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -89,14 +90,21 @@ class DraftModelProposer:
             raise ValueError(f"draft model {path!r} has {ckpt.config.vocab_size} vocabulary "
                              f"rows, fewer than the target's {target.vocab_size}")
         target_len = target.max_model_len
+        # compiled like the target's: its k decode passes a step are decode-only steps
         draft_cfg = config.replace(
             model=path, quantization=config.speculative.draft_quantization, kv_cache_gib=None,
-            num_kv_blocks=target.num_kv_blocks, speculative_method=None, draft_model=None,
-            enforce_eager=True)
+            num_kv_blocks=target.num_kv_blocks, speculative_method=None, draft_model=None)
         runner = ModelRunner(draft_cfg, ckpt, target_len, target.eos_token_ids,
                              sample_vocab_size=target.vocab_size)
-        logger.info("draft model %s: %s, %.1f MB of weights, %d KV blocks", path,
-                    runner.quantization, runner.weight_bytes / 1e6, runner.num_blocks)
+        if runner.compiled is not None:
+            # before the engine is ready (the request path never compiles): loaded where
+            # saved, else compiled here, once per machine and draft
+            t0 = time.time()
+            runner.warmup()
+            logger.info("draft model: compiled decode step ready in %.1fs", time.time() - t0)
+        logger.info("draft model %s: %s, %.1f MB of weights, %d KV blocks, %s", path,
+                    runner.quantization, runner.weight_bytes / 1e6, runner.num_blocks,
+                    "compiled decode step" if runner.compiled is not None else "eager")
         return cls(runner, runner.num_blocks, config.cache.block_size, target.vocab_size,
                    target.eos_token_ids, config.model.seed)
 
