@@ -1,6 +1,7 @@
 """Run the server in-process with uvicorn (one worker: the engine lives in this process)."""
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Callable, Optional, Sequence
 
@@ -63,4 +64,17 @@ def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, log_l
     """
     server = build_server(engine, host, port, log_level, **kwargs)
     logger.info("serving %s on http://%s:%d", getattr(engine, "model_name", "?"), host, port)
+    freeze_long_lived_objects()
     server.run()
+
+
+def freeze_long_lived_objects() -> None:
+    """Move what the process holds at start (the engine and its model, the imported
+    libraries: ~400k objects on the default model) out of the garbage collector's reach.
+    A full collection scans every tracked object while the engine thread waits for the
+    GIL: ~100-200 ms, a stalled step for every stream, whenever enough new objects (a
+    suffix tree's nodes, request bookkeeping) have built up; frozen, it scans only what
+    came after. Garbage made before is collected first, so nothing unreachable is kept."""
+    gc.collect()
+    gc.freeze()
+    logger.debug("garbage collector: %d objects frozen", gc.get_freeze_count())
