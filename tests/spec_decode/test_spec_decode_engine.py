@@ -154,8 +154,15 @@ def test_suffix_requests_never_back_off():
     for step in (4, 5, 6):
         core.spec._adapt(r.spec_state, 0.0, step=step)
     assert r.spec_state.paused_until == 0
-    assert 0 < r.spec_state.ema < 1.0
+    assert r.spec_state.ema == pytest.approx(0.3)   # floored: the plan still tries a draft
     assert core.spec._num_drafts(r, r.spec_state, 7) == 6
+    # a client's prediction in the same engine still backs off (it has no confidence)
+    p = req("p", PROMPTS[0], max_tokens=40)
+    p.spec_state = core.spec.prediction_state("p", [5, 6, 7, 8])
+    for step in (4, 5, 6):
+        core.spec._adapt(p.spec_state, 0.0, step=step)
+    assert p.spec_state.paused_until > 6
+    assert core.spec._num_drafts(p, p.spec_state, 7) == 0
 
 
 def test_kv_lookahead_is_not_cached_and_trim_rolls_back():

@@ -155,6 +155,9 @@ def cmd_engine(args: argparse.Namespace, config_from_args: Callable) -> int:
         logger.warning("engine API on %s without a token: anyone who reaches the port can "
                        "run requests (set %s)", args.host, TOKEN_ENV)
     engine = AsyncLLM.from_config(config_from_args(args))
+    from llmserve.server.launch import freeze_long_lived_objects
+
+    freeze_long_lived_objects()   # a replica's long-lived objects out of full collections
     try:
         uvicorn.run(create_engine_app(engine, token), host=args.host, port=args.port,
                     log_level=str(args.log_level).lower(), access_log=False,

@@ -70,11 +70,12 @@ def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, log_l
 
 def freeze_long_lived_objects() -> None:
     """Move what the process holds at start (the engine and its model, the imported
-    libraries: ~400k objects on the default model) out of the garbage collector's reach.
+    libraries: ~430k objects on the default model) out of the garbage collector's reach.
     A full collection scans every tracked object while the engine thread waits for the
-    GIL: ~100-200 ms, a stalled step for every stream, whenever enough new objects (a
-    suffix tree's nodes, request bookkeeping) have built up; frozen, it scans only what
-    came after. Garbage made before is collected first, so nothing unreachable is kept."""
+    GIL: 270-300 ms in a suffix-decoding server, a stalled step for every stream, whenever
+    enough new objects (the trees' nodes) have built up; frozen, it scans only what came
+    after (docs/BENCHMARKS.md, "Garbage-collector stalls"). Garbage made before is
+    collected first, so nothing unreachable at start is kept."""
     gc.collect()
     gc.freeze()
     logger.debug("garbage collector: %d objects frozen", gc.get_freeze_count())

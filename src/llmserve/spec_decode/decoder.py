@@ -11,9 +11,9 @@ sequence's computed position past the accepted drafts (their KV is now valid), f
 KV blocks that only rejected drafts used (`KVCacheManager.trim`) and updates statistics.
 
 Adaptive k, per request: a moving average of the acceptance rate scales k down; under
-``min_acceptance`` the request stops drafting for a back-off that doubles (4 .. 256 steps),
-except with suffix drafts, which carry their own confidence (a back-off cost agent edits
-~10% at c=1); the average still feeds the plan below.
+``min_acceptance`` the request stops drafting for a back-off that doubles (4 .. 256 steps).
+Suffix drafts carry their own confidence: no scaling, no back-off (it cost agent edits
+~10% at c=1); their average, floored at 0.3, only feeds the plan below.
 
 Adaptive, per step (spec_decode/cost_model.py): from decode-step times per row count,
 drafts go to the requests most likely to have them accepted only while the step's
@@ -60,8 +60,7 @@ logger = logging.getLogger(__name__)
 _EMA_WEIGHT = 0.5          # weight of the newest acceptance rate in the moving average
 _FULL_K_ACCEPTANCE = 0.6   # at or above this average acceptance a request drafts k tokens
 _MIN_BACKOFF, _MAX_BACKOFF = 4, 256
-# steps between two shadow steps: proposing for a whole batch costs ~0.2 ms a sequence
-# (suffix trees), which a shadow step every few steps made ~6% of a plain 8-sequence step
+# steps between two shadow steps (proposing for a batch costs ~0.2 ms a sequence)
 _SHADOW_EVERY = 16
 
 
@@ -129,16 +128,15 @@ class SpeculativeDecoder:
         self.stats = SpecDecodeStats()
         self.costs = StepCostModel()
         self.yields = DraftYield()
-        # cheap, deterministic drafts: while drafting does not pay, shadow drafts (not
-        # verified) tell when it would, in place of trial steps (shadow_drafts.py)
+        # while drafting does not pay, shadow drafts tell when it would (shadow_drafts.py)
         self.shadow: Optional[ShadowDrafts] = (
             ShadowDrafts() if proposer is not None and config.method in ("ngram", "suffix")
             else None)
         self._predicted: set[str] = set()    # live requests that bring a prediction
         self._next_shadow = 0                # the first step a shadow step may start at
         self._drafted: list[Request] = []    # requests given drafts by the last propose
-        # proposers without a confidence of their own back off per request (Adaptive k)
-        self._backs_off = config.method != "suffix"
+        # suffix drafts carry a confidence of their own: no back-off (Adaptive k)
+        self._suffix = config.method == "suffix"
 
     def prediction_state(self, request_id: str, token_ids: Sequence[int]) -> SpecState:
         """The state of a request that brings a predicted output."""
@@ -206,9 +204,8 @@ class SpeculativeDecoder:
         shadow = False
         if wanted and self.config.adaptive and not self.yields.allows(
                 len(running), step, retry=self.shadow is None):
-            # drafted steps of this many sequences have not paid: only drafts a client
-            # brought, or a seeded request's, are verified (until a retry, or until
-            # shadow drafts show that drafting would pay)
+            # drafted steps of this size have not paid: only a client's or a seeded
+            # request's drafts are verified (until a retry, or shadows show it would pay)
             fixed = [w for w in wanted if w[1].prediction is not None or _seeded(w[0])]
             shadow = (not fixed and self.shadow is not None and not self.shadow.following
                       and step >= self._next_shadow)
@@ -308,7 +305,7 @@ class SpeculativeDecoder:
     def _num_drafts(self, req: Request, state: SpecState, step: int) -> int:
         cfg = self.config
         k = cfg.num_speculative_tokens
-        if cfg.adaptive and self._backs_off:
+        if cfg.adaptive and self._backs_off(state):
             if step < state.paused_until:
                 return 0
             if state.ema < _FULL_K_ACCEPTANCE:
@@ -343,8 +340,7 @@ class SpeculativeDecoder:
                   and not _seeded(s.request) for s in drafted)
         if (seconds is not None and decode_only and plain is not None and own
                 and self.config.adaptive):
-            # the check weighs the engine's own drafts: a step whose drafts were all a
-            # client's prediction or a seeded request's says nothing about them
+            # the check weighs the engine's own drafts, not a client's or a seeded one's
             self.yields.record(seqs, sum(len(t) for t in result.token_ids), seconds, plain,
                                rows=sched.num_batched_tokens)
         for s in drafted:
@@ -359,8 +355,7 @@ class SpeculativeDecoder:
             req.num_computed_tokens += accepted
             kv.trim(req, req.num_tokens + accepted + 1)
             state = req.spec_state
-            # fillers (uniform steps) are no proposer's drafts: the statistics and the
-            # request's acceptance rate count its own drafts only (of those the budget let in)
+            # fillers (uniform steps) are no proposer's: statistics count a request's own
             fillers = state.fillers if state is not None else 0
             own = min(s.num_draft_tokens, len(req.spec_token_ids) - fillers)
             req.spec_token_ids = []
@@ -376,13 +371,19 @@ class SpeculativeDecoder:
         state.ema = (1 - _EMA_WEIGHT) * state.ema + _EMA_WEIGHT * rate
         if not self.config.adaptive:
             return
-        if state.ema < self.config.min_acceptance:
-            if self._backs_off:
-                state.paused_until = step + state.backoff
-                state.backoff = min(2 * state.backoff, _MAX_BACKOFF)
+        if not self._backs_off(state):   # the plan's estimate, never below a short draft's
+            state.ema = max(state.ema, _FULL_K_ACCEPTANCE / 2)
+        elif state.ema < self.config.min_acceptance:
+            state.paused_until = step + state.backoff
+            state.backoff = min(2 * state.backoff, _MAX_BACKOFF)
             state.ema = _FULL_K_ACCEPTANCE / 2   # resume carefully: a short draft
         elif rate >= 0.5:
             state.backoff = max(_MIN_BACKOFF, state.backoff // 2)
+
+    def _backs_off(self, state: SpecState) -> bool:
+        """Whether a request pauses after low acceptance: not a suffix request's own drafts
+        (a client's prediction does)."""
+        return not self._suffix or state.prediction is not None
 
 
 def _seeded(req: Request) -> bool:

@@ -90,10 +90,12 @@ class DraftModelProposer:
             raise ValueError(f"draft model {path!r} has {ckpt.config.vocab_size} vocabulary "
                              f"rows, fewer than the target's {target.vocab_size}")
         target_len = target.max_model_len
-        # compiled like the target's: its k decode passes a step are decode-only steps
+        # compiled like the target's (its k decode passes a step are decode-only steps),
+        # without the target's LoRA slots (their graphs could not be saved)
         draft_cfg = config.replace(
             model=path, quantization=config.speculative.draft_quantization, kv_cache_gib=None,
-            num_kv_blocks=target.num_kv_blocks, speculative_method=None, draft_model=None)
+            num_kv_blocks=target.num_kv_blocks, speculative_method=None, draft_model=None,
+            max_loras=0, lora_modules=())
         runner = ModelRunner(draft_cfg, ckpt, target_len, target.eos_token_ids,
                              sample_vocab_size=target.vocab_size)
         if runner.compiled is not None:
