@@ -28,10 +28,12 @@ def paths(tmp_path_factory):
 
 
 def _llm(target, draft=None, quant="auto", **kw):
+    """Speculating engines always draft (no adaptivity: what the cost model plans depends
+    on step times, and these tests count drafts)."""
     args = dict(dtype="float32", num_kv_blocks=128, block_size=4, check_invariants=True)
     if draft is not None:
         args.update(speculative_method="draft", draft_model=draft, draft_quantization=quant,
-                    num_speculative_tokens=3)
+                    num_speculative_tokens=3, speculative_adaptive=False)
     args.update(kw)
     return LLM(target, **args)
 
