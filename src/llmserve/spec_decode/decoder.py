@@ -135,8 +135,8 @@ class SpeculativeDecoder:
         self._predicted: set[str] = set()    # live requests that bring a prediction
         self._next_shadow = 0                # the first step a shadow step may start at
         self._drafted: list[Request] = []    # requests given drafts by the last propose
-        # suffix drafts carry a confidence of their own: no back-off (Adaptive k)
-        self._suffix = config.method == "suffix"
+        # drafts that carry a confidence of their own need no back-off (Adaptive k)
+        self._confident = bool(getattr(proposer, "confident_drafts", False))
 
     def prediction_state(self, request_id: str, token_ids: Sequence[int]) -> SpecState:
         """The state of a request that brings a predicted output."""
@@ -381,9 +381,9 @@ class SpeculativeDecoder:
             state.backoff = max(_MIN_BACKOFF, state.backoff // 2)
 
     def _backs_off(self, state: SpecState) -> bool:
-        """Whether a request pauses after low acceptance: not a suffix request's own drafts
-        (a client's prediction does)."""
-        return not self._suffix or state.prediction is not None
+        """Whether a request pauses after low acceptance: not with a proposer's confident
+        drafts (suffix decoding); a client's prediction does."""
+        return not self._confident or state.prediction is not None
 
 
 def _seeded(req: Request) -> bool:

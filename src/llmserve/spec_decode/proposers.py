@@ -49,7 +49,9 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]
                 ) -> list[Proposal]: ...
 
-    # optional: ``release(request_id)``, called when a request ends
+    # optional: ``release(request_id)``, called when a request ends; ``confident_drafts``
+    # (True: a draft is only what the proposer's counts make likely, so a request whose
+    # drafts were rejected does not back off: decoder.py, "Adaptive k")
 
 
 class NgramIndex:

@@ -134,6 +134,9 @@ class _RequestIndex:
 class SuffixProposer:
     """Suffix decoding over each request's own tokens and recent requests' outputs."""
 
+    #: each draft token comes with its share among the tree's continuations (Proposer)
+    confident_drafts = True
+
     def __init__(self, max_depth: int = 32, min_confidence: float = 0.1,
                  cache_max_nodes: int = 200_000) -> None:
         if not 0.0 <= min_confidence <= 1.0:
