@@ -310,8 +310,7 @@ class SpeculativeDecoder:
                 return 0
             if state.ema < _FULL_K_ACCEPTANCE:
                 k = max(1, round(k * state.ema / _FULL_K_ACCEPTANCE))
-        # never draft past max_tokens or the context: the last position is sampled
-        return min(k, req.max_total_tokens - req.num_tokens - 1)
+        return min(k, req.max_total_tokens - req.num_tokens - 1)   # the last is sampled
 
     # ---- after the step --------------------------------------------------------------
     def on_step_done(self, sched, result, kv: KVCacheManager, step: int,
