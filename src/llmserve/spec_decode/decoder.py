@@ -326,20 +326,20 @@ class SpeculativeDecoder:
         drafted = [s for s in sched.scheduled if s.num_draft_tokens]
         if not drafted and not following:
             return
-        where = {rid: i for i, rid in enumerate(result.request_ids)}
         if following and self.shadow is not None:
             self._settle_shadow(self.shadow.observe_step(
                 [s.request for s in sched.scheduled],
-                {rid: result.token_ids[i] for rid, i in where.items()}))
+                dict(zip(result.request_ids, result.token_ids))))
         if not drafted:
             return
+        where = {rid: i for i, rid in enumerate(result.request_ids)}
         seqs = len(sched.scheduled)
         plain = self.costs.cost(seqs)
-        own = any(s.request.spec_state is not None and s.request.spec_state.prediction is None
-                  and not _seeded(s.request) for s in drafted)
-        if (seconds is not None and decode_only and plain is not None and own
-                and self.config.adaptive):
-            # the check weighs the engine's own drafts, not a client's or a seeded one's
+        # the check weighs the engine's own drafts, not a client's or a seeded one's
+        if (seconds is not None and decode_only and plain is not None and self.config.adaptive
+                and any(s.request.spec_state is not None
+                        and s.request.spec_state.prediction is None
+                        and not _seeded(s.request) for s in drafted)):
             self.yields.record(seqs, sum(len(t) for t in result.token_ids), seconds, plain,
                                rows=sched.num_batched_tokens)
         for s in drafted:

@@ -52,11 +52,6 @@ class ShadowDrafts:
         self._drafts: dict[str, _Draft] = {}
 
     @property
-    def waiting_ids(self) -> list[str]:
-        """The requests whose answer the followed step still waits for."""
-        return list(self._drafts)
-
-    @property
     def following(self) -> bool:
         """Whether a shadow step still waits for some of its sequences' tokens."""
         return self._step is not None
@@ -105,7 +100,7 @@ class ShadowDrafts:
         A followed sequence the step left out, or that produced nothing, answers now."""
         settled = None
         ids = {req.request_id for req in scheduled}
-        for rid in self.waiting_ids:
+        for rid in list(self._drafts):   # (drop() removes entries)
             if rid not in ids:   # preempted, or left out of this step
                 settled = self.drop(rid) or settled
         for req in scheduled:
