@@ -144,14 +144,46 @@ def test_paged_decode_scores_by_blocks_of_16_keys(length, h, hkv, d, softcap):
 @needs_native
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (14, 2, 64), (32, 8, 128), (12, 1, 64)])
 def test_paged_decode_gives_a_row_the_same_bits_alone_and_in_a_batch(h, hkv, d):
-    # the fixed kernels (groups up to 8) and the run-time one (12 heads over 1): one task
-    # per (sequence, KV head) whatever the batch, so batch invariance holds bit for bit
+    # the fixed kernels (groups up to 8: one task a row) and the run-time one (12 heads
+    # over 1: a task per row and KV head), whatever the batch: bit for bit
     q, kc, vc, slots, valid = _decode_case(6, h, hkv, d, 45, seed=h)
     together = paged_decode_native(q, kc, vc, slots, valid, d ** -0.5)
     for r in range(6):
         alone = paged_decode_native(q[r:r + 1], kc, vc, slots[r:r + 1], valid[r:r + 1],
                                     d ** -0.5)
         assert torch.equal(together[r:r + 1].view(torch.int16), alone.view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (14, 2, 64), (16, 2, 128)])
+def test_paged_decode_row_bits_do_not_follow_the_thread_split_or_the_pulls(h, hkv, d):
+    # contexts past one pull chunk (128 keys), rows of very different lengths (the split
+    # over threads moves with them), and a prompt's causal rows that share their slots
+    # (the second and later skip the pulls): each row gives the bits it gives alone
+    gen = torch.Generator().manual_seed(h)
+    length, slots_n = 300, 64 * 16
+    kc = torch.randn(slots_n, hkv, d, generator=gen).bfloat16()
+    vc = torch.randn(slots_n, hkv, d, generator=gen).bfloat16()
+    blocks = torch.randperm(64, generator=gen)[:2 * 19].view(2, -1)
+    seq_slots = (blocks.unsqueeze(-1) * 16 + torch.arange(16)).view(2, -1)[:, :length]
+    rows = [(0, 300), (1, 3), (1, 290), (0, 140), (0, 141), (0, 142), (1, 17)]
+    slots = torch.stack([seq_slots[s] for s, _ in rows])
+    valid = torch.stack([torch.arange(length) < n for _, n in rows])
+    q = torch.randn(len(rows), h, d, generator=gen).bfloat16()
+    alone = [paged_decode_native(q[r:r + 1], kc, vc, slots[r:r + 1], valid[r:r + 1], d ** -0.5)
+             for r in range(len(rows))]
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            together = paged_decode_native(q, kc, vc, slots, valid, d ** -0.5)
+            for r in range(len(rows)):
+                assert torch.equal(together[r:r + 1].view(torch.int16),
+                                   alone[r].view(torch.int16)), (n, r)
+    finally:
+        torch.set_num_threads(threads)
+    ref = paged_decode_inplace(q, kc, vc, slots, valid, d ** -0.5)
+    torch.testing.assert_close(together.float(), ref.float(), atol=1e-2, rtol=1e-2)
 
 
 @needs_native

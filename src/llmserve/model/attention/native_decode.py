@@ -3,9 +3,11 @@
 The compiled in-place formulation (:func:`~llmserve.model.attention.paged.paged_decode_inplace`)
 lets inductor index the cache, but its generated loops were slow: at 32 sequences they took
 a large share of the default model's decode step. The native kernel does the same
-arithmetic (float32 scores and sums, exact bf16 products) with one task per (sequence, KV
-head) that reads each K and V row once where it lives, and is several times faster there
-(docs/ARCHITECTURE.md, "Native kernels"; figures in docs/BENCHMARKS.md).
+arithmetic (float32 scores and sums, exact bf16 products) with one task a query row (every
+head of the row; or a task per row and KV head when there are fewer rows than twice the
+threads) that pulls the row's context into cache and reads each K and V row where it lives,
+and is several times faster there (docs/ARCHITECTURE.md, "Native kernels"; figures in
+docs/BENCHMARKS.md).
 
 Used for decode rows when the library is loaded and checked (``PagedBackend.native_decode``,
 decided once from the model and KV dtypes):

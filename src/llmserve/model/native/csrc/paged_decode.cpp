@@ -6,8 +6,11 @@
 //   float32 scores s = scale * q.k (optionally softcap * tanh(s / softcap)), a softmax over
 //   the valid keys, float32 sums of p * v.
 //
-// One task per (sequence, KV head): its G query heads read each K row and V row once,
-// where it lives in the cache (no gathered copy of the context).
+// The common GQA shapes (head size 64 or 128, up to 8 query heads a KV head) run one task a
+// query row: every head of the row reads each K row and V row where it lives in the cache
+// (no gathered copy of the context), after the row's keys are pulled into cache chunk by
+// chunk; rows are split over the threads by their keys. Other shapes run one task per
+// (row, KV head).
 // _mm512_reduce_max_ps inlines GCC 12's `_mm256_undefined_pd` (`__Y = __Y`), which
 // -Wuninitialized reports here: a false positive in the compiler's own header.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -22,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -123,11 +127,9 @@ void decode_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const
   }
 }
 
-// Sixteen vectors -> one: lane i holds the sum of v[i]'s sixteen lanes. Four levels of
+// Sixteen vectors -> one: lane i holds the sum of v[i]'s sixteen lanes, by four levels of
 // pairwise combines (45 shuffles and adds for 16 sums, against ~8 ops for each sum alone):
-//
-//   v[16] --unpack_ps, add--> a[8]  --unpack_pd, add--> b[4]   (each 128-bit lane: 4 sums'
-//   partials, in order) --shuffle_f32x4, add--> d[2] --shuffle_f32x4, add--> r
+// unpack_ps + add -> 8, unpack_pd + add -> 4, shuffle_f32x4 + add -> 2, -> 1.
 inline __m512 sum_lanes16(const __m512* v) {
   __m512 a[8], b[4];
   for (int i = 0; i < 8; ++i)
@@ -146,26 +148,53 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The same computation with the head size and group as constants: the query pairs and the
-// value sums stay in registers, q.k is DC/2 vdpbf16ps per key (exact products), and the
-// scores of 16 keys are summed across lanes together (sum_lanes16) and stored as a vector.
+// Loads every 64-byte line of the K (or V) rows of keys [l0, l1) that a task reads, and drops
+// them: a loop of independent loads keeps many cache misses in flight, where the scoring
+// loops, dozens of instructions a key, stall on one block's misses at a time (software
+// prefetches did not help). Measured inside the engine at 32 sequences x ~160 keys: 144
+// against 246-268 us a call (docs/BENCHMARKS.md, "Attention that pulls its context").
+// `width` elements (a multiple of 32: head sizes 64 and 128) from each row start: the
+// row's heads that the task reads.
+void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid, int64_t l0,
+               int64_t l1, int64_t row_stride, int64_t width) {
+  __m512i x = _mm512_setzero_si512();
+  for (int64_t l = l0; l < l1; ++l) {
+    if (!valid[l]) continue;
+    const uint16_t* row = cache + slots[l] * row_stride;
+    for (int64_t o = 0; o < width; o += 32)
+      x = _mm512_xor_si512(x, _mm512_loadu_si512(row + o));
+  }
+  volatile int64_t sink = _mm512_reduce_add_epi64(x);
+  (void)sink;
+}
+
+// Keys pulled at a time: 128 keys of a (slots, 2, 64) or (slots, 8, 128) cache are 32-256 KB
+// of K or V, within L2.
+constexpr int64_t kPullKeys = 128;
+
+// One query row (one sequence, all its KV heads) with the head size and group as constants.
+// The row's context is walked in chunks of kPullKeys keys: a chunk's K rows are pulled
+// (when `pull`), then every head scores them (q.k as DC/2 vdpbf16ps per key and head, exact
+// products; the scores of 16 keys summed across lanes together, sum_lanes16); after the
+// softmax, each chunk's V rows are pulled and every head sums p * v over them. Per query
+// head and key the arithmetic and its order do not depend on the other rows of the call.
 template <int DC, int G>
-void decode_fixed(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                  const int64_t* slots, const bool* valid, int64_t len, int64_t row_stride,
-                  float scale, float softcap, uint16_t* out, std::vector<float>& buf) {
+void decode_row(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
+                const bool* valid, int64_t len, int64_t hkv, int64_t row_stride, float scale,
+                float softcap, bool pull, uint16_t* out, std::vector<float>& buf) {
   constexpr int d = DC * 16;
-  const int64_t padded = (len + 15) / 16 * 16;
-  buf.resize(static_cast<size_t>(G * padded));
-  float* scores = buf.data();                       // (G, padded)
-  __m512bh qp[G][DC / 2];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DC / 2; ++c)
-      qp[g][c] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * c);
+  const int64_t padded = (len + 15) / 16 * 16, heads = hkv * G;
+  buf.resize(static_cast<size_t>(heads * (padded + d + 17)));
+  float* scores = buf.data();                  // (heads, padded)
+  float* sums = scores + heads * padded;       // (heads, d): value sums between chunks
+  float* peaks = sums + heads * d;             // (heads, 16): running vector maxima
+  float* inv = peaks + heads * 16;             // (heads): 1 / the softmax's total
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
-  __m512 vpeak[G];
-  for (int g = 0; g < G; ++g) vpeak[g] = vneg_inf;
+  for (int64_t h = 0; h < heads; ++h) _mm512_storeu_ps(peaks + 16 * h, vneg_inf);
   for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    if (pull && l0 % kPullKeys == 0)
+      pull_rows(kc, slots, valid, l0, std::min(len, l0 + kPullKeys), row_stride, hkv * d);
     const int n = len - l0 < 16 ? static_cast<int>(len - l0) : 16;
     __mmask16 live = 0;
     const uint16_t* krow[16];
@@ -175,19 +204,21 @@ void decode_fixed(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
       krow[i] = in ? kc + slots[l0 + i] * row_stride : kc;   // masked keys read row 0
     }
     if (!live) {           // a block past a causal row's position or outside its window
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded + l0, vneg_inf);
+      for (int64_t h = 0; h < heads; ++h) _mm512_storeu_ps(scores + h * padded + l0, vneg_inf);
       continue;
     }
-    for (int g = 0; g < G; ++g) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kv_offset = (h / G) * d;
+      __m512bh qp[DC / 2];
+      for (int c = 0; c < DC / 2; ++c) qp[c] = (__m512bh)_mm512_loadu_si512(q + h * d + 32 * c);
       __m512 part[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
-        part[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[g][0],
-                                   (__m512bh)_mm512_loadu_si512(krow[i]));
+        const uint16_t* k = krow[i] + kv_offset;
+        part[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[0], (__m512bh)_mm512_loadu_si512(k));
 #pragma GCC unroll 8
         for (int c = 1; c < DC / 2; ++c)
-          part[i] = _mm512_dpbf16_ps(part[i], qp[g][c],
-                                     (__m512bh)_mm512_loadu_si512(krow[i] + 32 * c));
+          part[i] = _mm512_dpbf16_ps(part[i], qp[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
       }
       __m512 s = _mm512_mul_ps(sum_lanes16(part), vscale);
       if (softcap > 0.f) {
@@ -197,72 +228,102 @@ void decode_fixed(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
         s = _mm512_load_ps(t);
       }
       s = _mm512_mask_mov_ps(vneg_inf, live, s);
-      vpeak[g] = _mm512_max_ps(s, vpeak[g]);   // a NaN score never becomes the peak
-      _mm512_storeu_ps(scores + g * padded + l0, s);
+      // a NaN score never becomes the peak
+      _mm512_storeu_ps(peaks + 16 * h, _mm512_max_ps(s, _mm512_loadu_ps(peaks + 16 * h)));
+      _mm512_storeu_ps(scores + h * padded + l0, s);
     }
   }
-  float inv[G];
-  for (int g = 0; g < G; ++g) {
-    const float total = softmax_row(scores + g * padded, len, _mm512_reduce_max_ps(vpeak[g]));
-    inv[g] = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float total = softmax_row(scores + h * padded, len,
+                                    _mm512_reduce_max_ps(_mm512_loadu_ps(peaks + 16 * h)));
+    inv[h] = total > 0.f ? 1.f / total : 0.f;
   }
-  __m512 acc[G][DC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t l = 0; l < len; ++l) {
-    if (!valid[l]) continue;
-    const uint16_t* vrow = vc + slots[l] * row_stride;
-    __m512 p[G];
-    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * padded + l]);
-    for (int c = 0; c < DC; ++c) {
-      const __m512 v = load_bf16x16(vrow + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+  for (int64_t i = 0; i < heads * d; ++i) sums[i] = 0.f;
+  for (int64_t l0 = 0; l0 < len; l0 += kPullKeys) {
+    const int64_t l1 = std::min(len, l0 + kPullKeys);
+    if (pull) pull_rows(vc, slots, valid, l0, l1, row_stride, hkv * d);
+    for (int64_t kvh = 0; kvh < hkv; ++kvh) {
+      float* head_sums = sums + kvh * G * d;
+      __m512 acc[G][DC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_loadu_ps(head_sums + g * d + 16 * c);
+      for (int64_t l = l0; l < l1; ++l) {
+        if (!valid[l]) continue;
+        const uint16_t* vrow = vc + slots[l] * row_stride + kvh * d;
+        __m512 p[G];
+        for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[(kvh * G + g) * padded + l]);
+        for (int c = 0; c < DC; ++c) {
+          const __m512 v = load_bf16x16(vrow + 16 * c);
+          for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(head_sums + g * d + 16 * c, acc[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g)
+  for (int64_t h = 0; h < heads; ++h)
     for (int c = 0; c < DC; ++c) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * d + 16 * c), (__m256i)o);
+      const __m256bh o = _mm512_cvtneps_pbh(
+          _mm512_mul_ps(_mm512_loadu_ps(sums + h * d + 16 * c), _mm512_set1_ps(inv[h])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * d + 16 * c), (__m256i)o);
     }
 }
 
-using FixedFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                         const bool*, int64_t, int64_t, float, float, uint16_t*,
-                         std::vector<float>&);
+using RowFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
+                      const bool*, int64_t, int64_t, int64_t, float, float, bool, uint16_t*,
+                      std::vector<float>&);
+
+template <int DC>
+RowFn fixed_kernel_of(int64_t g) {
+  switch (g) {
+    case 1: return decode_row<DC, 1>;
+    case 2: return decode_row<DC, 2>;
+    case 3: return decode_row<DC, 3>;
+    case 4: return decode_row<DC, 4>;
+    case 5: return decode_row<DC, 5>;
+    case 6: return decode_row<DC, 6>;
+    case 7: return decode_row<DC, 7>;
+    case 8: return decode_row<DC, 8>;
+    default: return nullptr;
+  }
+}
 
 // The fixed kernel of a head size and group, nullptr where decode_one serves: the groups of
-// the common GQA models (up to 8 query heads a KV head). Past ~4 heads its registers spill,
-// and it is still 2-3x decode_one (a 16 x 208-key call at 14 heads over 2: 132 against
-// 365 us; 32 over 8 at 128: 773 against 1622 us). The choice follows the model's shape, so
-// every row of a model, decoded or verified or prefilled, runs the same kernel.
-FixedFn fixed_kernel(int64_t d, int64_t g) {
-  if (d == 64) {
-    switch (g) {
-      case 1: return decode_fixed<4, 1>;
-      case 2: return decode_fixed<4, 2>;
-      case 3: return decode_fixed<4, 3>;
-      case 4: return decode_fixed<4, 4>;
-      case 5: return decode_fixed<4, 5>;
-      case 6: return decode_fixed<4, 6>;
-      case 7: return decode_fixed<4, 7>;   // Qwen2.5-0.5B: 14 heads over 2
-      case 8: return decode_fixed<4, 8>;
-      default: return nullptr;
+// the common GQA models (up to 8 query heads a KV head: Qwen2.5-0.5B 14 heads over 2 at 64;
+// Llama-3.1-8B 32 over 8, Qwen2.5-7B 28 over 4, Qwen2.5-3B 16 over 2 at 128). Past ~4 heads
+// its registers spill, and it is still 2-3x decode_one (a 16 x 208-key call at 14 heads
+// over 2: 132 against 365 us; 32 over 8 at 128: 773 against 1622 us). The choice follows
+// the model's shape, so every row of a model, decoded or verified or prefilled, runs the
+// same kernel.
+RowFn fixed_kernel(int64_t d, int64_t g) {
+  return d == 64 ? fixed_kernel_of<4>(g) : d == 128 ? fixed_kernel_of<8>(g) : nullptr;
+}
+
+// Splits tasks [0, n) (task t: row t / per_row) into `parts` contiguous ranges of about
+// equal work (the row's keys up to its last valid one, plus a fixed cost), so that a batch
+// whose older, longer rows come first, or a prompt's causal rows, do not leave one thread
+// waiting for the other.
+std::vector<int64_t> balanced_bounds(const bool* valid, int64_t n, int64_t per_row, int64_t len,
+                                     int64_t parts) {
+  std::vector<int64_t> cum(static_cast<size_t>(n + 1), 0);
+  int64_t last = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (t % per_row == 0) {
+      const bool* row = valid + (t / per_row) * len;
+      last = len;
+      while (last > 0 && !row[last - 1]) --last;
     }
+    cum[t + 1] = cum[t] + last + 16;
   }
-  if (d == 128) {
-    switch (g) {
-      case 1: return decode_fixed<8, 1>;
-      case 2: return decode_fixed<8, 2>;
-      case 3: return decode_fixed<8, 3>;
-      case 4: return decode_fixed<8, 4>;   // Llama-3.1-8B: 32 heads over 8
-      case 5: return decode_fixed<8, 5>;
-      case 6: return decode_fixed<8, 6>;
-      case 7: return decode_fixed<8, 7>;   // Qwen2.5-7B: 28 over 4
-      case 8: return decode_fixed<8, 8>;   // Qwen2.5-3B: 16 over 2
-      default: return nullptr;
-    }
+  std::vector<int64_t> bounds(static_cast<size_t>(parts + 1), n);
+  bounds[0] = 0;
+  int64_t t = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t target = cum[n] * p / parts;
+    while (t < n && cum[t] < target) ++t;
+    bounds[p] = t;
   }
-  return nullptr;
+  return bounds;
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -292,17 +353,36 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t* sp = sc.data_ptr<int64_t>();
   const bool* mp = vm.data_ptr<bool>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const FixedFn fixed = fixed_kernel(d, g_heads);
+  const RowFn fixed = fixed_kernel(d, g_heads);
+  if (fixed) {
+    // A task a row, or a task per (row, KV head) when there are fewer than two rows a thread
+    // (one sequence decoding must not leave a core idle); the same arithmetic either way. A
+    // row whose slots start as the previous row's (a prompt's causal rows, a draft's verified
+    // rows) finds the context in cache and skips the pulls.
+    const int64_t threads = at::get_num_threads();
+    const int64_t per_row = b < 2 * threads ? hkv : 1, tasks = b * per_row;
+    const int64_t parts = std::min(threads, tasks);
+    const std::vector<int64_t> bounds = balanced_bounds(mp, tasks, per_row, len, parts);
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t part = begin; part < end; ++part)
+        for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) {
+          const int64_t i = t / per_row, prev = (t - 1) / per_row;
+          const bool pull = t == bounds[part] || per_row > 1 || len == 0 ||
+                            sp[i * len] != sp[prev * len];
+          const int64_t kvh = per_row == 1 ? 0 : t % per_row;
+          const int64_t head = i * h + kvh * g_heads, kv_offset = kvh * d;
+          fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len, len,
+                per_row == 1 ? hkv : 1, row_stride, static_cast<float>(scale),
+                static_cast<float>(softcap), pull, op + head * d, buf);
+        }
+    });
+    return out;
+  }
   at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / hkv, kvh = task % hkv;
-      if (fixed) {
-        fixed(qp + (i * h + kvh * g_heads) * d, kp + kvh * d, vp + kvh * d, sp + i * len,
-              mp + i * len, len, row_stride, static_cast<float>(scale),
-              static_cast<float>(softcap), op + (i * h + kvh * g_heads) * d, buf);
-        continue;
-      }
       decode_one(qp + (i * h + kvh * g_heads) * d, kp + kvh * d, vp + kvh * d, sp + i * len,
                  mp + i * len, len, g_heads, d, row_stride, static_cast<float>(scale),
                  static_cast<float>(softcap), op + (i * h + kvh * g_heads) * d, buf);
