@@ -3,7 +3,8 @@
     python scripts/bench_native_kernels.py [--json FILE] [--repeats N]
 
 Prints one line per case: the op, its shape, the time per call (the first quartile of
-``--repeats`` calls after a warm-up) and, for the products, GFLOP/s. Side-by-side figures
+``--repeats`` calls after a warm-up; the cold attention cases: the median over 30 layers'
+caches read in turn) and, for the products, GFLOP/s. Side-by-side figures
 for a change come from running this under the tree before and after it, alternated
 (``PYTHONPATH=<old tree>/src python scripts/bench_native_kernels.py``; the kernel cache is
 keyed by the sources, so both trees keep their own build). Exits 2 where the kernels are
@@ -153,6 +154,39 @@ def attention_cases(repeats: int) -> list[dict]:
     return out
 
 
+def cold_attention_cases(repeats: int) -> list[dict]:
+    """Decode attention as a step meets it: 30 layers' caches read in turn, so that every
+    call finds its K and V rows in memory, not in cache (the cases above repeat one call on
+    data it has just read). 8 / 32 / 64 sequences of 150-170 keys, each in 11 adjacent
+    blocks; the caches are numpy-allocated as the engine's pool is (huge pages)."""
+    import numpy as np
+    layers, blocks_total = 30, 1024
+    shape = (blocks_total * 16, KV_HEADS, HEAD_DIM)
+    nbytes = int(np.prod(shape)) * 2
+    caches = [tuple(torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(torch.bfloat16)
+                    .view(shape).normal_() for _ in range(2)) for _ in range(layers)]
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for b in (8, 32, 64):
+        length = 176
+        slots = (torch.arange(b * 11).view(b, 11).unsqueeze(-1) * 16 + torch.arange(16))
+        slots = slots.view(b, -1)[:, :length].contiguous()
+        ctx = torch.randint(150, 171, (b, 1), generator=gen)
+        valid = (torch.arange(length).unsqueeze(0) < ctx).contiguous()
+        q = torch.randn(b, HEADS, HEAD_DIM, generator=gen).bfloat16()
+        times = []
+        for rep in range(max(2, repeats // layers + 1)):
+            for kc, vc in caches:
+                t0 = time.perf_counter()
+                torch.ops.llmserve_native.paged_decode(q, kc, vc, slots, valid, 0.125, 0.0)
+                if rep:
+                    times.append(time.perf_counter() - t0)
+        times.sort()
+        out.append({"op": "paged_decode", "case": "decode, cold, 150-170 keys", "rows": b,
+                    "us": times[len(times) // 2] * 1e6})
+    return out
+
+
 def main(argv: "list[str] | None" = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the rows to this JSON file")
@@ -165,7 +199,7 @@ def main(argv: "list[str] | None" = None) -> int:
         return 2
     rows = (int4_cases(args.repeats) + int4_step_cases(args.repeats) + head_cases(args.repeats)
             + bf16_head_cases(args.repeats)
-            + attention_cases(args.repeats))
+            + attention_cases(args.repeats) + cold_attention_cases(args.repeats))
     print(f"torch threads: {torch.get_num_threads()}")
     for r in rows:
         flops = f"  {r['gflops']:6.0f} GFLOP/s" if "gflops" in r else ""
