@@ -152,7 +152,9 @@ def test_requests_that_never_ran_cost_nothing_and_aborts_are_timed(server) -> No
     assert_openai_error(timed_out, 503, code="timeout")
     gone_id = f"gone-{uuid.uuid4().hex[:8]}"
     with pytest.raises(httpx.ReadTimeout):                    # leaves while it waits
-        post(server, "beta", completion("Queued two"), timeout=0.5, **{"X-Request-Id": gone_id})
+        early = post(server, "beta", completion("Queued two"), timeout=0.5,
+                     **{"X-Request-Id": gone_id})
+        pytest.fail(f"answered while both slots were held: {early.status_code} {early.text[:300]}")
     assert all(s.status == 200 and s.error is None and s._thread.is_alive() for s in streams)
     for s in streams:
         s.stop()

@@ -171,6 +171,7 @@ void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid, i
 // Keys pulled at a time: 128 keys of a (slots, 2, 64) or (slots, 8, 128) cache are 32-256 KB
 // of K or V, within L2.
 constexpr int64_t kPullKeys = 128;
+static_assert(kPullKeys % 16 == 0, "a pull chunk is whole 16-key blocks");
 
 // One query row (one sequence, all its KV heads) with the head size and group as constants.
 // The row's context is walked in chunks of kPullKeys keys: a chunk's K rows are pulled
@@ -299,22 +300,26 @@ RowFn fixed_kernel(int64_t d, int64_t g) {
   return d == 64 ? fixed_kernel_of<4>(g) : d == 128 ? fixed_kernel_of<8>(g) : nullptr;
 }
 
-// Splits tasks [0, n) (task t: row t / per_row) into `parts` contiguous ranges of about
-// equal work (the row's keys up to its last valid one, plus a fixed cost), so that a batch
-// whose older, longer rows come first, or a prompt's causal rows, do not leave one thread
-// waiting for the other.
-std::vector<int64_t> balanced_bounds(const bool* valid, int64_t n, int64_t per_row, int64_t len,
-                                     int64_t parts) {
-  std::vector<int64_t> cum(static_cast<size_t>(n + 1), 0);
-  int64_t last = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    if (t % per_row == 0) {
-      const bool* row = valid + (t / per_row) * len;
-      last = len;
-      while (last > 0 && !row[last - 1]) --last;
-    }
-    cum[t + 1] = cum[t] + last + 16;
+// One past a row's last valid key (0: none), 64 flags at a time from the end: a row short
+// of the call's longest is padded with invalid keys.
+int64_t valid_length(const bool* row, int64_t len) {
+  int64_t end = len;
+  while (end >= 64) {
+    const __m512i flags = _mm512_loadu_si512(row + end - 64);
+    if (_mm512_test_epi8_mask(flags, flags)) break;
+    end -= 64;
   }
+  while (end > 0 && !row[end - 1]) --end;
+  return end;
+}
+
+// Splits tasks [0, n) (task t: row t / per_row, of `keys[row]` keys) into `parts` contiguous
+// ranges of about equal work, so that a batch whose older, longer rows come first, or a
+// prompt's causal rows, do not leave one thread waiting for the other.
+std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& keys, int64_t n,
+                                     int64_t per_row, int64_t parts) {
+  std::vector<int64_t> cum(static_cast<size_t>(n + 1), 0);
+  for (int64_t t = 0; t < n; ++t) cum[t + 1] = cum[t] + keys[t / per_row] + 16;
   std::vector<int64_t> bounds(static_cast<size_t>(parts + 1), n);
   bounds[0] = 0;
   int64_t t = 0;
@@ -357,23 +362,32 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   if (fixed) {
     // A task a row, or a task per (row, KV head) when there are fewer than two rows a thread
     // (one sequence decoding must not leave a core idle); the same arithmetic either way. A
-    // row whose slots start as the previous row's (a prompt's causal rows, a draft's verified
-    // rows) finds the context in cache and skips the pulls.
+    // row whose context the previous row of its task range held (a prompt's causal rows, a
+    // draft's verified rows) finds it in cache and skips the pulls.
     const int64_t threads = at::get_num_threads();
     const int64_t per_row = b < 2 * threads ? hkv : 1, tasks = b * per_row;
     const int64_t parts = std::min(threads, tasks);
-    const std::vector<int64_t> bounds = balanced_bounds(mp, tasks, per_row, len, parts);
+    // a row runs to its last valid key: the keys past it would only add exact zeros
+    std::vector<int64_t> keys(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i) keys[i] = valid_length(mp + i * len, len);
+    const std::vector<int64_t> bounds = balanced_bounds(keys, tasks, per_row, parts);
+    // the previous row holds this row's context when it starts with the same slot and has
+    // this row's next-to-last key in the same slot (not a sequence sharing a prefix)
+    auto context_in_cache = [&](int64_t i, int64_t prev) {
+      const int64_t last = keys[i] - 2;
+      return keys[prev] > std::max<int64_t>(last, 0) && sp[i * len] == sp[prev * len] &&
+             (last <= 0 || sp[i * len + last] == sp[prev * len + last]);
+    };
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t part = begin; part < end; ++part)
         for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) {
-          const int64_t i = t / per_row, prev = (t - 1) / per_row;
-          const bool pull = t == bounds[part] || per_row > 1 || len == 0 ||
-                            sp[i * len] != sp[prev * len];
+          const int64_t i = t / per_row;
+          const bool pull = t == bounds[part] || per_row > 1 || !context_in_cache(i, i - 1);
           const int64_t kvh = per_row == 1 ? 0 : t % per_row;
           const int64_t head = i * h + kvh * g_heads, kv_offset = kvh * d;
-          fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len, len,
-                per_row == 1 ? hkv : 1, row_stride, static_cast<float>(scale),
+          fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
+                keys[i], per_row == 1 ? hkv : 1, row_stride, static_cast<float>(scale),
                 static_cast<float>(softcap), pull, op + head * d, buf);
         }
     });
