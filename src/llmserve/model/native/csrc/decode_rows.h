@@ -1,0 +1,69 @@
+// paged_decode's work split and context pulls (paged_decode.cpp): which keys a query row
+// reads, how rows are split over the threads, and the loop that pulls a row's K or V rows
+// into cache before they are scored or summed.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace llmserve_native {
+
+// Loads every 64-byte line of the K (or V) rows of keys [l0, l1) that a task reads, and drops
+// them: a loop of independent loads keeps many cache misses in flight, where the scoring
+// loops, dozens of instructions a key, stall on one block's misses at a time (software
+// prefetches did not help). Measured inside the engine at 32 sequences x ~160 keys: 144
+// against 246-268 us a call (docs/BENCHMARKS.md, "Attention that pulls its context").
+// `width` elements (a multiple of 32: head sizes 64 and 128) from each row start: the
+// row's heads that the task reads.
+inline void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
+                      int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
+  __m512i x = _mm512_setzero_si512();
+  for (int64_t l = l0; l < l1; ++l) {
+    if (!valid[l]) continue;
+    const uint16_t* row = cache + slots[l] * row_stride;
+    for (int64_t o = 0; o < width; o += 32)
+      x = _mm512_xor_si512(x, _mm512_loadu_si512(row + o));
+  }
+  volatile int64_t sink = _mm512_reduce_add_epi64(x);
+  (void)sink;
+}
+
+// Keys pulled at a time: 128 keys of a (slots, 2, 64) or (slots, 8, 128) cache are 32-256 KB
+// of K or V, within L2.
+constexpr int64_t kPullKeys = 128;
+static_assert(kPullKeys % 16 == 0, "a pull chunk is whole 16-key blocks");
+
+// One past a row's last valid key (0: none), 64 flags at a time from the end: a row short
+// of the call's longest is padded with invalid keys.
+inline int64_t valid_length(const bool* row, int64_t len) {
+  int64_t end = len;
+  while (end >= 64) {
+    const __m512i flags = _mm512_loadu_si512(row + end - 64);
+    if (_mm512_test_epi8_mask(flags, flags)) break;
+    end -= 64;
+  }
+  while (end > 0 && !row[end - 1]) --end;
+  return end;
+}
+
+// Splits tasks [0, n) (task t: row t / per_row, of `keys[row]` keys) into `parts` contiguous
+// ranges of about equal work, so that a batch whose older, longer rows come first, or a
+// prompt's causal rows, do not leave one thread waiting for the other.
+inline std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& keys, int64_t n,
+                                            int64_t per_row, int64_t parts) {
+  std::vector<int64_t> cum(static_cast<size_t>(n + 1), 0);
+  for (int64_t t = 0; t < n; ++t) cum[t + 1] = cum[t] + keys[t / per_row] + 16;
+  std::vector<int64_t> bounds(static_cast<size_t>(parts + 1), n);
+  bounds[0] = 0;
+  int64_t t = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t target = cum[n] * p / parts;
+    while (t < n && cum[t] < target) ++t;
+    bounds[p] = t;
+  }
+  return bounds;
+}
+
+}  // namespace llmserve_native
