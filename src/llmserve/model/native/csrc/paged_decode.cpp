@@ -153,7 +153,8 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One query row (one sequence, all its KV heads) with the head size and group as constants.
+// One query row (all its KV heads, or one: hkv = 1 and the pointers at that head) with the
+// head size and group as constants.
 // The row's context is walked in chunks of kPullKeys keys: a chunk's K rows are pulled
 // (when `pull`), then every head scores them (q.k as DC/2 vdpbf16ps per key and head, exact
 // products; the scores of 16 keys summed across lanes together, sum_lanes16); after the
