@@ -5,8 +5,8 @@ GGUFs whose layers are Q4_K / Q5_K / Q6_K blocks (the GGUF block kernel with int
 activations where the CPU has VNNI; elsewhere Q4_K as int4 groups, the others int8 per
 channel), a tied Q6_K table (its head on the block kernel, its lookup decoding rows; with
 Q4_K layers also after a prefix-cache hit, preemption and suffix drafts), a wide
-attention group (seven query heads over one KV head), and on the forced avx2 tier; compiled
-decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py,
+attention group (seven query heads over one KV head), contexts past one of decode
+attention's 128-key pull chunks, and on the forced avx2 tier; compiled decode graphs on. The Q8_0 / Q5_x / Q4_x files are covered in test_batch_invariance.py,
 whose helpers these tests share.
 """
 from __future__ import annotations
@@ -109,6 +109,40 @@ def test_a_wide_attention_group_gives_the_same_tokens_alone_and_in_batches(tmp_p
     got = run(chunked, TARGETS + MANY_FILLERS[:4], params)
     assert_same(alone, (got[0][:4], got[1][:4]), "7 heads over 1: chunks of 16 tokens")
 
+
+
+#: Prompts of 150-300 tokens: decode attention walks two or three 128-key pull chunks. The
+#: last three start with the same 64 tokens (four blocks), so after a prefix-cache hit their
+#: rows share first blocks but not tails.
+LONG_TARGETS = [[(7 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((300, 150))]
+LONG_TARGETS += [LONG_TARGETS[0][:64] + [(19 * i + 7 * j) % 500 + 3 for j in range(n)]
+                 for i, n in enumerate((100, 170, 210))]
+
+
+def test_long_contexts_give_the_same_tokens_alone_in_batches_chunked_and_cached(tmp_path):
+    """Decode attention's fixed kernel (4 heads over 2 of 64) with contexts past one pull
+    chunk: a row's tokens and logits alone (one task per KV head), in batches of 5 to 21 (a
+    task a row, split over the threads by keys), chunked (causal rows that skip their pulls)
+    and after prefix-cache hits (rows that share first blocks), bit for bit."""
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
+                              num_heads=4, num_kv_heads=2, seed=31)
+    path = make_tiny_gguf(hf, str(tmp_path / "tiny-q4_0.gguf"), quant="Q4_0",
+                          with_tokenizer=True)
+    llm = engine(path, num_kv_blocks=1024, enable_prefix_caching=False)
+    alone = [run(llm, [p], GREEDY) for p in LONG_TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    for extra in (0, 16):
+        got = run(llm, LONG_TARGETS + MANY_FILLERS[:extra], GREEDY)
+        assert_same(alone, (got[0][:5], got[1][:5]), f"long contexts: batch of {5 + extra}")
+    chunked = engine(path, num_kv_blocks=1024, max_num_batched_tokens=48,
+                     enable_prefix_caching=False)
+    got = run(chunked, LONG_TARGETS + MANY_FILLERS[:3], GREEDY)
+    assert_same(alone, (got[0][:5], got[1][:5]), "long contexts: chunks of 48 tokens")
+    cached = engine(path, num_kv_blocks=1024, enable_prefix_caching=True)
+    run(cached, LONG_TARGETS[:1], GREEDY)
+    got = run(cached, LONG_TARGETS, GREEDY)
+    assert cached.engine.get_stats().prefix_hit_tokens >= 3 * 64
+    assert_same(alone, got, "long contexts: after prefix-cache hits")
 
 _FORCED_TIER = """
 import sys, torch
