@@ -321,19 +321,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     std::vector<int64_t> keys(static_cast<size_t>(b));
     for (int64_t i = 0; i < b; ++i) keys[i] = valid_length(mp + i * len, len);
     const std::vector<int64_t> bounds = balanced_bounds(keys, tasks, per_row, parts);
-    // the previous row holds this row's context when it starts with the same slot and has
-    // this row's next-to-last key in the same slot (not a sequence sharing a prefix)
-    auto context_in_cache = [&](int64_t i, int64_t prev) {
+    // row i - 1 held row i's context when it starts with the same slot and has row i's
+    // next-to-last key in the same slot (not another sequence sharing a cached prefix)
+    auto previous_row_held = [&](int64_t i) {
       const int64_t last = keys[i] - 2;
-      return keys[prev] > std::max<int64_t>(last, 0) && sp[i * len] == sp[prev * len] &&
-             (last <= 0 || sp[i * len + last] == sp[prev * len + last]);
+      return keys[i - 1] > std::max<int64_t>(last, 0) && sp[i * len] == sp[(i - 1) * len] &&
+             (last <= 0 || sp[i * len + last] == sp[(i - 1) * len + last]);
     };
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t part = begin; part < end; ++part)
         for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) {
           const int64_t i = t / per_row;
-          const bool pull = t == bounds[part] || per_row > 1 || !context_in_cache(i, i - 1);
+          const bool pull = t == bounds[part] || per_row > 1 || !previous_row_held(i);
           const int64_t kvh = per_row == 1 ? 0 : t % per_row;
           const int64_t head = i * h + kvh * g_heads, kv_offset = kvh * d;
           fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
