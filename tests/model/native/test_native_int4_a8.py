@@ -52,15 +52,32 @@ def test_int4_a8_mm_equals_its_float64_reference(n, k, g):
 
 
 @needs_a8
-def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
+@pytest.mark.parametrize("n", [96, 80])
+def test_a_row_gives_the_same_bits_alone_as_in_any_batch(n):
+    """One row runs the one-strip kernel, more rows the strip-pair kernel in tiles of 6
+    (80 channels: 5 strips, the odd last one alone): the same bits either way."""
     torch.manual_seed(0)
-    layer = Int4Weight(quantize_int4(torch.randn(96, 256), 32), int8_activations=True)
+    layer = Int4Weight(quantize_int4(torch.randn(n, 256), 32), int8_activations=True)
     x = torch.randn(37, 256).bfloat16()
     x[5] *= 1000                                  # an outlier row quantizes on its own scale
     batch = layer(x)
     for i in (0, 5, 8, 36):
         assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), i
     assert torch.equal(layer(x[3:12]), batch[3:12])
+
+
+@needs_a8
+def test_the_one_strip_and_strip_pair_kernels_give_the_same_bits_on_a_wide_layer():
+    """A row alone (the one-strip kernel) against the same row in a batch of 64 (strip
+    pairs, tiles of 6 and a tail of 4) on an MLP-sized layer (3088 x 1536: 193 strips, the
+    last alone): 200k outputs, so even a one-ulp float32 difference in the per-block sums
+    (a different order of the two FMAs, say) shows after the bf16 rounding."""
+    torch.manual_seed(1)
+    layer = Int4Weight(quantize_int4(torch.randn(3088, 1536), 32), int8_activations=True)
+    x = torch.randn(64, 1536).bfloat16()
+    batch = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
+    assert torch.equal(alone, batch), int((alone != batch).sum())
 
 
 @needs_a8
