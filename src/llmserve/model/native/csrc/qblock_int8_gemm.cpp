@@ -30,8 +30,9 @@
 //         (strips, K/32, 1, 16) fp16 d for mode 3
 //   sup:  (strips, K/256, 2, 16) fp16 (d, dmin) for mode 1, (strips, K/256, 1, 16) (d) for 2
 //         (the file's own fp16 values: bits per weight Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625)
-// Row tiles of up to 8 rows share each unpacked vector; strips split over threads, each
-// strip's tiles prefetching the next strip (next_strip_prefetch.h).
+// One row: strips split over threads, tiles of one strip. More rows: pairs of strips split
+// over threads, tiles of up to 6 rows x 2 strips sharing each broadcast of activation
+// codes. Each tile's blocks prefetch the next strip (or pair) (next_strip_prefetch.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +40,7 @@
 
 #include "int8_rows.h"
 #include "next_strip_prefetch.h"
+#include "qblock_dots.h"
 #include "qblock_rows.h"
 
 #include <immintrin.h>
@@ -49,19 +51,13 @@
 
 namespace {
 
-using llmserve_native::broadcast4;
+using llmserve_native::block_dots;
 using llmserve_native::kQuantBlock;
 
 constexpr int kStrip = 16;
 constexpr int kMaxRows = 8;
 constexpr int kSuperBlocks = 8;   // blocks of 32 per K-quant super-block of 256
 enum Mode : int { kF16 = 0, kK32 = 1, kK16 = 2, kF16S = 3 };
-
-inline __mmask64 load_mask(const uint8_t* p) {
-  uint64_t m;
-  std::memcpy(&m, p, sizeof(m));
-  return static_cast<__mmask64>(m);
-}
 
 inline __m512 u8x16_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -90,160 +86,149 @@ struct Rows {
   const int32_t* xh;    // (rows, blocks, 2) half sums of codes
 };
 
-// The int32 dots of ROWS rows with units [U0, U1) of one block of one strip (a unit: 4 k's
-// of 8-bit codes, 8 k's of 4-6-bit ones), in two chains that hide vpdpbusd's latency for up
-// to 3 rows, and one chain a row from 4 rows (the rows are independent chains already, and
-// 16 accumulators beside 8 outputs would spill). The int32 sums are exact: the chains never
-// change a result. The k16 mode calls this once per block half, each with its own scale.
-template <int BITS, int U0, int U1, int ROWS>
-__attribute__((target("avx512vnni"))) inline void block_dots(const uint8_t* wb,
-                                                             const int8_t* xq, int64_t ldx,
-                                                             int64_t k0,
-                                                             __m512i (&acc)[ROWS]) {
-  constexpr bool kTwoChains = ROWS <= 3;
-  __m512i acc2[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm512_setzero_si512();
-  if constexpr (BITS == 8) {
-#pragma GCC unroll 8
-    for (int o = U0; o < U1; ++o) {
-      const __m512i v = _mm512_loadu_si512(wb + 64 * o);
-      for (int r = 0; r < ROWS; ++r) {
-        __m512i& a = kTwoChains && (o & 1) ? acc2[r] : acc[r];
-        a = _mm512_dpbusd_epi32(a, v, broadcast4(xq + r * ldx + k0 + 4 * o));
-      }
-    }
-  } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const uint8_t* planes = wb + 256;
-#pragma GCC unroll 4
-    for (int o = U0; o < U1; ++o) {
-      const __m512i v = _mm512_loadu_si512(wb + 64 * o);
-      __m512i lo = _mm512_and_si512(v, low4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (BITS >= 5) {
-        lo = _mm512_mask_add_epi8(lo, load_mask(planes + 16 * o), lo, _mm512_set1_epi8(16));
-        hi = _mm512_mask_add_epi8(hi, load_mask(planes + 16 * o + 8), hi, _mm512_set1_epi8(16));
-      }
-      if constexpr (BITS == 6) {
-        lo = _mm512_mask_add_epi8(lo, load_mask(planes + 64 + 16 * o), lo, _mm512_set1_epi8(32));
-        hi = _mm512_mask_add_epi8(hi, load_mask(planes + 64 + 16 * o + 8), hi,
-                                  _mm512_set1_epi8(32));
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const int8_t* xr = xq + r * ldx + k0 + 8 * o;
-        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
-        __m512i& b = kTwoChains ? acc2[r] : acc[r];
-        b = _mm512_dpbusd_epi32(b, hi, broadcast4(xr + 4));
-      }
-    }
-  }
-  if constexpr (kTwoChains)
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);
-}
-
-// ROWS activation rows x one strip.
-template <int BITS, int MODE, int ROWS>
-__attribute__((target("avx512vnni"))) void strip_rows(Strip st, Rows x, int64_t blocks,
+// ROWS activation rows x NS adjacent strips (st[0..NS)); per strip, row and block the
+// scale arithmetic and its order are the same for every NS and ROWS.
+template <int BITS, int MODE, int ROWS, int NS>
+__attribute__((target("avx512vnni"))) void strip_rows(const Strip* st, Rows x, int64_t blocks,
                                                       void* y, int64_t ldy, bool float_out,
                                                       const uint8_t* next, int64_t next_bytes,
                                                       int64_t t, int64_t pf_lines) {
   constexpr int64_t kBlockBytes = 64 * BITS;
-  __m512 out[ROWS];
-  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
-  __m512 sup0 = _mm512_setzero_ps(), sup1 = _mm512_setzero_ps();   // a super-block's d, dmin
+  __m512 out[NS][ROWS];
+  for (int s = 0; s < NS; ++s)
+    for (int r = 0; r < ROWS; ++r) out[s][r] = _mm512_setzero_ps();
+  __m512 sup0[NS], sup1[NS];   // a super-block's d, dmin
+  for (int s = 0; s < NS; ++s) sup0[s] = sup1[s] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     llmserve_native::prefetch_share(next, next_bytes, t, blocks, b, pf_lines);
     if constexpr (MODE == kK32 || MODE == kK16) {
       if (b % kSuperBlocks == 0) {
-        const uint16_t* dd = st.sup + (b / kSuperBlocks) * (MODE == kK32 ? 2 : 1) * kStrip;
-        sup0 = f16x16_ps(dd);
-        if constexpr (MODE == kK32) sup1 = f16x16_ps(dd + kStrip);
+        for (int s = 0; s < NS; ++s) {
+          const uint16_t* dd = st[s].sup + (b / kSuperBlocks) * (MODE == kK32 ? 2 : 1) * kStrip;
+          sup0[s] = f16x16_ps(dd);
+          if constexpr (MODE == kK32) sup1[s] = f16x16_ps(dd + kStrip);
+        }
       }
     }
     constexpr int kUnits = BITS == 8 ? 8 : 4;
-    const uint8_t* wb = st.w + b * kBlockBytes;
+    const uint8_t* wb[NS];
+    for (int s = 0; s < NS; ++s) wb[s] = st[s].w + b * kBlockBytes;
     const int64_t k0 = b * kQuantBlock;
-    __m512i acc[ROWS];
-    if constexpr (MODE != kK16) block_dots<BITS, 0, kUnits, ROWS>(wb, x.xq, x.ldx, k0, acc);
+    __m512i acc[NS][ROWS];
+    if constexpr (MODE != kK16) block_dots<BITS, 0, kUnits, ROWS, NS>(wb, x.xq, x.ldx, k0, acc);
     if constexpr (MODE == kF16S) {
-      const uint16_t* dp = static_cast<const uint16_t*>(st.sub) + b * kStrip;
-      const __m512 d = f16x16_ps(dp);
       constexpr int32_t kOffset = 1 << (BITS - 1);
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t rb = r * blocks + b;
-        const __m512i dot = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(kOffset * x.xsum[rb]));
-        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.xs[rb])),
-                                 out[r]);
+      for (int s = 0; s < NS; ++s) {
+        const __m512 d = f16x16_ps(static_cast<const uint16_t*>(st[s].sub) + b * kStrip);
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t rb = r * blocks + b;
+          const __m512i dot = _mm512_sub_epi32(acc[s][r], _mm512_set1_epi32(kOffset * x.xsum[rb]));
+          out[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                      _mm512_mul_ps(d, _mm512_set1_ps(x.xs[rb])), out[s][r]);
+        }
       }
     } else if constexpr (MODE == kF16) {
-      const uint16_t* sm = static_cast<const uint16_t*>(st.sub) + b * 2 * kStrip;
-      const __m512 scale = f16x16_ps(sm);
-      const __m512 min = f16x16_ps(sm + kStrip);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(acc[r]);
-        const int64_t rb = r * blocks + b;
-        out[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])), out[r]);
-        out[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[r]);
+      for (int s = 0; s < NS; ++s) {
+        const uint16_t* sm = static_cast<const uint16_t*>(st[s].sub) + b * 2 * kStrip;
+        const __m512 scale = f16x16_ps(sm);
+        const __m512 min = f16x16_ps(sm + kStrip);
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512 dot = _mm512_cvtepi32_ps(acc[s][r]);
+          const int64_t rb = r * blocks + b;
+          out[s][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])),
+                                      out[s][r]);
+          out[s][r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[s][r]);
+        }
       }
     } else if constexpr (MODE == kK32) {
-      const uint8_t* sm = static_cast<const uint8_t*>(st.sub) + b * 2 * kStrip;
-      const __m512 scale = _mm512_mul_ps(sup0, u8x16_ps(sm));
-      const __m512 min = _mm512_mul_ps(sup1, u8x16_ps(sm + kStrip));
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(acc[r]);
-        const int64_t rb = r * blocks + b;
-        out[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])), out[r]);
-        out[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[r]);
+      for (int s = 0; s < NS; ++s) {
+        const uint8_t* sm = static_cast<const uint8_t*>(st[s].sub) + b * 2 * kStrip;
+        const __m512 scale = _mm512_mul_ps(sup0[s], u8x16_ps(sm));
+        const __m512 min = _mm512_mul_ps(sup1[s], u8x16_ps(sm + kStrip));
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512 dot = _mm512_cvtepi32_ps(acc[s][r]);
+          const int64_t rb = r * blocks + b;
+          out[s][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[rb])),
+                                      out[s][r]);
+          out[s][r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x.xt[rb]), out[s][r]);
+        }
       }
     } else {   // k16: each half of the block with its own scale, in order
-      const int8_t* sm = static_cast<const int8_t*>(st.sub) + b * 2 * kStrip;
-      const __m512 scale0 = _mm512_mul_ps(sup0, i8x16_ps(sm));
-      block_dots<BITS, 0, 2, ROWS>(wb, x.xq, x.ldx, k0, acc);
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t rb = r * blocks + b;
-        const __m512i d0 = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * x.xh[2 * rb]));
-        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
-                                 _mm512_mul_ps(scale0, _mm512_set1_ps(x.xs[rb])), out[r]);
+      block_dots<BITS, 0, 2, ROWS, NS>(wb, x.xq, x.ldx, k0, acc);
+      for (int s = 0; s < NS; ++s) {
+        const int8_t* sm = static_cast<const int8_t*>(st[s].sub) + b * 2 * kStrip;
+        const __m512 scale0 = _mm512_mul_ps(sup0[s], i8x16_ps(sm));
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t rb = r * blocks + b;
+          const __m512i d0 = _mm512_sub_epi32(acc[s][r], _mm512_set1_epi32(32 * x.xh[2 * rb]));
+          out[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
+                                      _mm512_mul_ps(scale0, _mm512_set1_ps(x.xs[rb])), out[s][r]);
+        }
       }
-      const __m512 scale1 = _mm512_mul_ps(sup0, i8x16_ps(sm + kStrip));
-      block_dots<BITS, 2, 4, ROWS>(wb, x.xq, x.ldx, k0, acc);
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t rb = r * blocks + b;
-        const __m512i d1 = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * x.xh[2 * rb + 1]));
-        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
-                                 _mm512_mul_ps(scale1, _mm512_set1_ps(x.xs[rb])), out[r]);
+      block_dots<BITS, 2, 4, ROWS, NS>(wb, x.xq, x.ldx, k0, acc);
+      for (int s = 0; s < NS; ++s) {
+        const int8_t* sm = static_cast<const int8_t*>(st[s].sub) + b * 2 * kStrip;
+        const __m512 scale1 = _mm512_mul_ps(sup0[s], i8x16_ps(sm + kStrip));
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t rb = r * blocks + b;
+          const __m512i d1 = _mm512_sub_epi32(acc[s][r],
+                                              _mm512_set1_epi32(32 * x.xh[2 * rb + 1]));
+          out[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
+                                      _mm512_mul_ps(scale1, _mm512_set1_ps(x.xs[rb])), out[s][r]);
+        }
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    if (float_out)
-      _mm512_storeu_ps(static_cast<float*>(y) + r * ldy, out[r]);
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ldy),
-                          (__m256i)_mm512_cvtneps_pbh(out[r]));
-  }
+  for (int s = 0; s < NS; ++s)
+    for (int r = 0; r < ROWS; ++r) {
+      if (float_out)
+        _mm512_storeu_ps(static_cast<float*>(y) + r * ldy + s * kStrip, out[s][r]);
+      else
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ldy + s * kStrip),
+            (__m256i)_mm512_cvtneps_pbh(out[s][r]));
+    }
 }
 
-using StripFn = void (*)(Strip, Rows, int64_t, void*, int64_t, bool, const uint8_t*, int64_t,
-                         int64_t, int64_t);
+using StripFn = void (*)(const Strip*, Rows, int64_t, void*, int64_t, bool, const uint8_t*,
+                         int64_t, int64_t, int64_t);
+
+constexpr int kPairRows = 6;   // activation rows per tile of a strip pair
 
 template <int BITS, int MODE>
 constexpr StripFn kRowFns[kMaxRows + 1] = {
     nullptr,
-    strip_rows<BITS, MODE, 1>, strip_rows<BITS, MODE, 2>, strip_rows<BITS, MODE, 3>,
-    strip_rows<BITS, MODE, 4>, strip_rows<BITS, MODE, 5>, strip_rows<BITS, MODE, 6>,
-    strip_rows<BITS, MODE, 7>, strip_rows<BITS, MODE, 8>,
+    strip_rows<BITS, MODE, 1, 1>, strip_rows<BITS, MODE, 2, 1>, strip_rows<BITS, MODE, 3, 1>,
+    strip_rows<BITS, MODE, 4, 1>, strip_rows<BITS, MODE, 5, 1>, strip_rows<BITS, MODE, 6, 1>,
+    strip_rows<BITS, MODE, 7, 1>, strip_rows<BITS, MODE, 8, 1>,
 };
 
-// The row functions of a (bits, mode) the loader packs; nullptr for any other pair.
-const StripFn* row_fns(int64_t bits, int64_t mode) {
-  if (bits == 8 && mode == kF16S) return kRowFns<8, kF16S>;
-  if (bits == 5 && mode == kF16S) return kRowFns<5, kF16S>;
-  if (bits == 5 && mode == kF16) return kRowFns<5, kF16>;
-  if (bits == 4 && mode == kK32) return kRowFns<4, kK32>;
-  if (bits == 5 && mode == kK32) return kRowFns<5, kK32>;
-  if (bits == 6 && mode == kK16) return kRowFns<6, kK16>;
-  return nullptr;
+template <int BITS, int MODE>
+constexpr StripFn kPairFns[kPairRows + 1] = {
+    nullptr,
+    strip_rows<BITS, MODE, 1, 2>, strip_rows<BITS, MODE, 2, 2>, strip_rows<BITS, MODE, 3, 2>,
+    strip_rows<BITS, MODE, 4, 2>, strip_rows<BITS, MODE, 5, 2>, strip_rows<BITS, MODE, 6, 2>,
+};
+
+// The row functions of a (bits, mode) the loader packs, one strip and strip pairs (none for
+// Q6_K's k16 mode: with its two half-block epilogues, pairs measured 1.05x slower); nulls for
+// any other pair.
+struct KernelFns {
+  const StripFn* one;
+  const StripFn* pair;
+};
+
+template <int BITS, int MODE>
+constexpr KernelFns kFns{kRowFns<BITS, MODE>, MODE == kK16 ? nullptr : kPairFns<BITS, MODE>};
+
+KernelFns row_fns(int64_t bits, int64_t mode) {
+  if (bits == 8 && mode == kF16S) return kFns<8, kF16S>;
+  if (bits == 5 && mode == kF16S) return kFns<5, kF16S>;
+  if (bits == 5 && mode == kF16) return kFns<5, kF16>;
+  if (bits == 4 && mode == kK32) return kFns<4, kK32>;
+  if (bits == 5 && mode == kK32) return kFns<5, kK32>;
+  if (bits == 6 && mode == kK16) return kFns<6, kK16>;
+  return KernelFns{nullptr, nullptr};
 }
 
 void check_scales(const at::Tensor& t, at::ScalarType type, int64_t strips, int64_t n1,
@@ -257,8 +242,9 @@ void check_scales(const at::Tensor& t, at::ScalarType type, int64_t strips, int6
 at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sub,
                         const std::optional<at::Tensor>& sup, int64_t bits, int64_t mode,
                         bool float_out) {
-  const StripFn* fns = row_fns(bits, mode);
-  TORCH_CHECK(fns != nullptr, "qblock_a8_mm: no kernel for ", bits, "-bit codes in mode ", mode);
+  const KernelFns fns = row_fns(bits, mode);
+  TORCH_CHECK(fns.one != nullptr, "qblock_a8_mm: no kernel for ", bits, "-bit codes in mode ",
+              mode);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "qblock_a8_mm: x must be a contiguous 2-D bf16 tensor");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
@@ -299,20 +285,42 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t sup_halves = blocks / kSuperBlocks * (mode == kK32 ? 2 : 1) * kStrip;
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t out_bytes = float_out ? 4 : 2, strip_bytes = blocks * block_bytes;
-  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t pf_lines = llmserve_native::next_strip_lines(strip_bytes, tiles, blocks);
-  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const Strip st{wp + s * strip_bytes, subp + s * sub_bytes,
-                     supp == nullptr ? nullptr : supp + s * sup_halves};
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = t * kMaxRows;
-        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
-        const Rows xr{xq + r0 * k, k, xs + r0 * blocks, xt + r0 * blocks, xsum + r0 * blocks,
-                      xh + r0 * blocks * 2};
-        fns[tile](st, xr, blocks, yp + (r0 * n + s * kStrip) * out_bytes, n, float_out,
-                  st.w + strip_bytes, strip_bytes, t, s + 1 < end ? pf_lines : 0);
-      }
+  auto strip_at = [&](int64_t s) {
+    return Strip{wp + s * strip_bytes, subp + s * sub_bytes,
+                 supp == nullptr ? nullptr : supp + s * sup_halves};
+  };
+  auto rows_at = [&](int64_t r0) {
+    return Rows{xq + r0 * k, k, xs + r0 * blocks, xt + r0 * blocks, xsum + r0 * blocks,
+                xh + r0 * blocks * 2};
+  };
+  // tiles of up to `per` rows of `ns` strips from strip s (the next `ns` strips prefetched
+  // while they compute, when `prefetch`)
+  auto run_tiles = [&](int64_t s, int64_t ns, int64_t per, const StripFn* table,
+                       bool prefetch) {
+    const Strip st[2] = {strip_at(s), ns == 2 ? strip_at(s + 1) : strip_at(s)};
+    const int64_t tiles = (rows + per - 1) / per, span = ns * strip_bytes;
+    const int64_t pf_lines = prefetch ? llmserve_native::next_strip_lines(span, tiles, blocks) : 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = t * per;
+      const int64_t tile = rows - r0 < per ? rows - r0 : per;
+      table[tile](st, rows_at(r0), blocks, yp + (r0 * n + s * kStrip) * out_bytes, n,
+                  float_out, st[0].w + span, span, t, pf_lines);
+    }
+  };
+  if (rows == 1 || fns.pair == nullptr) {   // one row streams its weights; k16 keeps one strip
+    at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) run_tiles(s, 1, kMaxRows, fns.one, s + 1 < end);
+    });
+    return y;
+  }
+  // strip pairs over threads, rows in tiles of kPairRows; an odd last strip alone
+  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t s = 2 * p;
+      if (s + 1 == strips)
+        run_tiles(s, 1, kMaxRows, fns.one, false);
+      else
+        run_tiles(s, 2, kPairRows, fns.pair, p + 1 < end && s + 2 < strips);
     }
   });
   return y;
