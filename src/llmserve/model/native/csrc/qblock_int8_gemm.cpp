@@ -45,6 +45,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -219,7 +220,15 @@ struct KernelFns {
 };
 
 template <int BITS, int MODE>
-constexpr KernelFns kFns{kRowFns<BITS, MODE>, MODE == kK16 ? nullptr : kPairFns<BITS, MODE>};
+constexpr const StripFn* pair_fns() {   // k16's pair kernels are never instantiated
+  if constexpr (MODE == kK16)
+    return nullptr;
+  else
+    return kPairFns<BITS, MODE>;
+}
+
+template <int BITS, int MODE>
+constexpr KernelFns kFns{kRowFns<BITS, MODE>, pair_fns<BITS, MODE>()};
 
 KernelFns row_fns(int64_t bits, int64_t mode) {
   if (bits == 8 && mode == kF16S) return kFns<8, kF16S>;
@@ -293,23 +302,24 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
     return Rows{xq + r0 * k, k, xs + r0 * blocks, xt + r0 * blocks, xsum + r0 * blocks,
                 xh + r0 * blocks * 2};
   };
-  // tiles of up to `per` rows of `ns` strips from strip s (the next `ns` strips prefetched
-  // while they compute, when `prefetch`)
+  // tiles of up to `per` rows of `ns` strips from strip s, the `next` strips after them
+  // (0: none) prefetched while they compute
   auto run_tiles = [&](int64_t s, int64_t ns, int64_t per, const StripFn* table,
-                       bool prefetch) {
+                       int64_t next) {
     const Strip st[2] = {strip_at(s), ns == 2 ? strip_at(s + 1) : strip_at(s)};
-    const int64_t tiles = (rows + per - 1) / per, span = ns * strip_bytes;
-    const int64_t pf_lines = prefetch ? llmserve_native::next_strip_lines(span, tiles, blocks) : 0;
+    const int64_t tiles = (rows + per - 1) / per, next_bytes = next * strip_bytes;
+    const int64_t pf_lines =
+        next > 0 ? llmserve_native::next_strip_lines(next_bytes, tiles, blocks) : 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t r0 = t * per;
       const int64_t tile = rows - r0 < per ? rows - r0 : per;
       table[tile](st, rows_at(r0), blocks, yp + (r0 * n + s * kStrip) * out_bytes, n,
-                  float_out, st[0].w + span, span, t, pf_lines);
+                  float_out, st[0].w + ns * strip_bytes, next_bytes, t, pf_lines);
     }
   };
   if (rows == 1 || fns.pair == nullptr) {   // one row streams its weights; k16 keeps one strip
     at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t s = begin; s < end; ++s) run_tiles(s, 1, kMaxRows, fns.one, s + 1 < end);
+      for (int64_t s = begin; s < end; ++s) run_tiles(s, 1, kMaxRows, fns.one, s + 1 < end ? 1 : 0);
     });
     return y;
   }
@@ -318,9 +328,10 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
     for (int64_t p = begin; p < end; ++p) {
       const int64_t s = 2 * p;
       if (s + 1 == strips)
-        run_tiles(s, 1, kMaxRows, fns.one, false);
-      else
-        run_tiles(s, 2, kPairRows, fns.pair, p + 1 < end && s + 2 < strips);
+        run_tiles(s, 1, kMaxRows, fns.one, 0);
+      else   // prefetching the next pair, or the odd last strip
+        run_tiles(s, 2, kPairRows, fns.pair,
+                  p + 1 < end ? std::min<int64_t>(2, strips - s - 2) : 0);
     }
   });
   return y;
