@@ -154,7 +154,10 @@ def test_requests_that_never_ran_cost_nothing_and_aborts_are_timed(server) -> No
     with pytest.raises(httpx.ReadTimeout):                    # leaves while it waits
         early = post(server, "beta", completion("Queued two"), timeout=0.5,
                      **{"X-Request-Id": gone_id})
-        pytest.fail(f"answered while both slots were held: {early.status_code} {early.text[:300]}")
+        holders = [(s.status, s.error, s._thread.is_alive()) for s in streams]
+        pytest.fail(f"answered while both slots were held: {early.status_code} "
+                    f"{early.text[:300]}; holders (status, error, alive): {holders}; "
+                    f"preemptions {server.metric('llmserve_num_preemptions_total')}")
     assert all(s.status == 200 and s.error is None and s._thread.is_alive() for s in streams)
     for s in streams:
         s.stop()
