@@ -130,16 +130,24 @@ def test_live_kv_admission_turns_a_burst_into_retryable_503s_not_preemptions(kv_
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> Iterator[ServerProcess]:
-    server = start(tmp_path_factory.mktemp("chaos"), tiny_model, "--num-kv-blocks", "1024",
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Two engine slots; a model and pool for two 8000-token streams (HOLD_TOKENS), which
+    hold both slots past every test's window even on a fast machine (1800-token ones
+    finished inside it on a tiny model)."""
+    folder = tmp_path_factory.mktemp("chaos")
+    model = build_tiny_model(folder / "model", 8192)
+    server = start(folder, model, "--num-kv-blocks", "1100", "--max-model-len", "8192",
                    "--max-num-seqs", "2", queue={"timeout_s": 20, "max_requests": 16},
                    metrics={"per_tenant": True})   # the per-namespace prefix counters
     yield server
     server.stop()
 
 
+HOLD_TOKENS = 8000   # a held stream's length: both fit the chaos server's 1100 blocks
+
+
 def hold_both_slots(server: ServerProcess) -> list[Stream]:
-    streams = [Stream(server, completion(f"Story {i}", max_tokens=1800)) for i in range(2)]
+    streams = [Stream(server, completion(f"Story {i}", max_tokens=HOLD_TOKENS)) for i in range(2)]
     for s in streams:
         assert s.first.wait(60) and s.status == 200
     return streams
@@ -190,12 +198,14 @@ def test_kill_9_with_requests_in_flight_then_restart(server) -> None:
     plain = post(server, "alpha", completion("Plain before"))
     assert done.status_code == plain.status_code == 200
     keys = ["flight-" + uuid.uuid4().hex for _ in range(3)]
-    long_body = completion("A long one", max_tokens=1800)
+    long_body = completion("A long one", max_tokens=HOLD_TOKENS)
     streams = [Stream(server, long_body, **{"Idempotency-Key": k}) for k in keys[:2]]
     for s in streams:                                          # both engine slots busy
         assert s.first.wait(60) and s.status == 200
+    queued_body = completion("A long one", max_tokens=64)   # fits the KV left: the engine queues it
     with cf.ThreadPoolExecutor(1) as pool:
-        unstreamed = pool.submit(post, server, "alpha", long_body, 120, **{"Idempotency-Key": keys[2]})
+        unstreamed = pool.submit(post, server, "alpha", queued_body, 120,
+                                 **{"Idempotency-Key": keys[2]})
         conflict = post(server, "alpha", {**long_body, "stream": True}, **{"Idempotency-Key": keys[0]})
         assert_openai_error(conflict, 409, code="idempotency_key_in_use")
         assert int(conflict.headers["retry-after"]) >= 1
