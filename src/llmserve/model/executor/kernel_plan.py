@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from llmserve.model.layers.activation import GATED_ACTIVATIONS, native_silu_mul
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
 from llmserve.model.native.ops import a8_library, cpu_tier, self_test_results
 from llmserve.model.platform import cpu_flags
@@ -38,10 +39,20 @@ def _lm_head(head: LMHead) -> str:
     return "tied:dense"
 
 
+def _activation(fn: object) -> str:
+    """The name of an MLP's gated activation function in the plan."""
+    if fn is native_silu_mul:
+        return "native silu_mul"
+    names = [name for name, f in GATED_ACTIVATIONS.items() if f is fn]
+    return f"torch {names[0]}" if names else getattr(fn, "__name__", type(fn).__name__)
+
+
 def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> dict[str, Any]:
     """The plan of a loaded ``model`` with attention ``backend`` (plain JSON values)."""
     embedding = "dense"
     head = "none"
+    activations = sorted({_activation(m.act) for m in model.modules()
+                          if hasattr(m, "gate_up_proj") and callable(getattr(m, "act", None))})
     for module in model.modules():
         if isinstance(module, VocabEmbedding):
             embedding = "dense" if module.qweight is None else \
@@ -58,6 +69,7 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
         "linear": dict(sorted(linear_formats(model).items())),
         "lm_head": head,
         "embedding": embedding,
+        "mlp_activation": ", ".join(activations) or "none",
         "attention": {
             "backend": getattr(backend, "name", type(backend).__name__),
             "decode": "native paged_decode" if native_decode else "torch",
@@ -78,6 +90,7 @@ def format_kernel_plan(plan: dict[str, Any], step: str) -> str:
         f"kernel plan (CPU tier {plan['cpu']['tier']}; {plan['dtype']}, KV {plan['kv_dtype']})",
         f"  linear:     {linear}",
         f"  lm head:    {plan['lm_head']}; embedding: {plan['embedding']}",
+        f"  mlp act:    {plan.get('mlp_activation', 'none')}",
         f"  attention:  {plan['attention']['backend']}: decode {plan['attention']['decode']}, "
         f"prefill {plan['attention']['prefill']}",
         f"  step:       {step}",

@@ -1,4 +1,4 @@
-"""RMSNorm (plain and Gemma's ``1 + w`` form) and the gated activations of decoder MLPs."""
+"""RMSNorm, plain and in Gemma's ``1 + w`` form."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -44,12 +44,6 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(tensor)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for a fused ``[gate | up]`` projection output."""
-    gate, up = gate_up.chunk(2, -1)
-    return F.silu(gate) * up
-
-
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` for a checkpoint weight ``w``.
 
@@ -59,26 +53,3 @@ class OffsetRMSNorm(RMSNorm):
 
     def load(self, name: str, tensor: torch.Tensor, shard: object = None) -> None:
         super().load(name, tensor.float() + 1.0)
-
-
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` (GeGLU, Gemma's ``gelu_pytorch_tanh``) for ``[gate | up]``."""
-    gate, up = gate_up.chunk(2, -1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-#: HF ``hidden_act`` / ``hidden_activation`` names -> gated activation of a fused projection.
-GATED_ACTIVATIONS = {
-    "silu": silu_and_mul,
-    "swish": silu_and_mul,
-    "gelu_pytorch_tanh": gelu_tanh_and_mul,
-    "gelu_tanh": gelu_tanh_and_mul,
-}
-
-
-def gated_activation(name: str):
-    """The gated activation called ``name``; ValueError names the supported ones."""
-    if name not in GATED_ACTIVATIONS:
-        raise ValueError(f"hidden activation {name!r} is not supported; supported: "
-                         f"{sorted(GATED_ACTIVATIONS)}")
-    return GATED_ACTIVATIONS[name]

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
 from llmserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
+from llmserve.model.layers.activation import GatedActivation, gated_activation, native_silu_mul
 from llmserve.model.layers.compiled_rows import WARMUP_ROWS, compile_rows, many_rows
 from llmserve.model.layers.cpu_kernels import stored_rows
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
 from llmserve.model.layers.linear import Linear, LinearMethod
-from llmserve.model.layers.norm import RMSNorm, gated_activation
+from llmserve.model.layers.norm import RMSNorm
 from llmserve.model.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -90,16 +91,19 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, method: LinearMethod,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.act = gated_activation(act)
+        self.act = gated_activation(act, dtype, device)
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=False,
                                    method=method, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate, hidden, bias=False, method=method, dtype=dtype,
                                 device=device)
         self.intermediate = intermediate
-        self.rows_act: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.rows_act: Optional[GatedActivation] = None
 
     def compile_rows(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Take the compiled many-row activation (layers/compiled_rows.py)."""
+        """Take the compiled many-row activation (layers/compiled_rows.py); the native
+        kernel needs none (it is the function of every path already)."""
+        if self.act is native_silu_mul:
+            return False
         gate_up = torch.zeros(WARMUP_ROWS, 2 * self.intermediate, dtype=dtype,
                               device=device)
         self.rows_act = compile_rows(self.act, gate_up)

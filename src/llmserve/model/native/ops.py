@@ -1,6 +1,6 @@
 """llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
 
-Eight operators, ``torch.ops.llmserve_native``:
+Nine operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
@@ -12,7 +12,9 @@ Eight operators, ``torch.ops.llmserve_native``:
   x the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too), and
   ``qblock_rows``: rows of such a table decoded to float32 (a GGUF token table's lookup);
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
-  (:mod:`llmserve.model.attention.native_decode`).
+  (:mod:`llmserve.model.attention.native_decode`);
+- ``silu_mul``: the SwiGLU activation of a fused ``[gate | up]`` output
+  (:mod:`llmserve.model.layers.activation`).
 
 All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
 itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csrc/avx2/``,
@@ -192,6 +194,10 @@ def _fake_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
+def _fake_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
 def _load() -> bool:
     if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
         logger.info("native CPU kernels disabled (LLMSERVE_NATIVE_KERNELS=0)")
@@ -223,6 +229,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::qblock_a8_mm")(_fake_qblock_mm)
             torch.library.register_fake("llmserve_native::qblock_rows")(_fake_qblock_rows)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
+            torch.library.register_fake("llmserve_native::silu_mul")(_fake_silu_mul)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's native CPU kernels are unavailable (%s): using PyTorch's",
