@@ -36,6 +36,7 @@ namespace {
 using llmserve_native::balanced_bounds;
 using llmserve_native::kPullKeys;
 using llmserve_native::load_bf16x16;
+using llmserve_native::prefetch_rows_l2;
 using llmserve_native::pull_rows;
 using llmserve_native::valid_length;
 
@@ -157,13 +158,15 @@ inline __m512 sum_lanes16(const __m512* v) {
 // head size and group as constants.
 // The row's context is walked in chunks of kPullKeys keys: a chunk's K rows are pulled
 // (when `pull`), then every head scores them (q.k as DC/2 vdpbf16ps per key and head, exact
-// products; the scores of 16 keys summed across lanes together, sum_lanes16); after the
+// products; the scores of 16 keys summed across lanes together, sum_lanes16), while the V
+// rows of the same keys are requested into L2 (`prefetch_v`: a task a row); after the
 // softmax, each chunk's V rows are pulled and every head sums p * v over them. Per query
 // head and key the arithmetic and its order do not depend on the other rows of the call.
 template <int DC, int G>
 void decode_row(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
                 const bool* valid, int64_t len, int64_t hkv, int64_t row_stride, float scale,
-                float softcap, bool pull, uint16_t* out, std::vector<float>& buf) {
+                float softcap, bool pull, bool prefetch_v, uint16_t* out,
+                std::vector<float>& buf) {
   constexpr int d = DC * 16;
   const int64_t padded = (len + 15) / 16 * 16, heads = hkv * G;
   buf.resize(static_cast<size_t>(heads * (padded + d + 17)));
@@ -178,6 +181,7 @@ void decode_row(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const
     if (pull && l0 % kPullKeys == 0)
       pull_rows(kc, slots, valid, l0, std::min(len, l0 + kPullKeys), row_stride, hkv * d);
     const int n = len - l0 < 16 ? static_cast<int>(len - l0) : 16;
+    if (pull && prefetch_v) prefetch_rows_l2(vc, slots, valid, l0, l0 + n, row_stride, hkv * d);
     __mmask16 live = 0;
     const uint16_t* krow[16];
     for (int i = 0; i < 16; ++i) {
@@ -252,8 +256,8 @@ void decode_row(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const
 }
 
 using RowFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                      const bool*, int64_t, int64_t, int64_t, float, float, bool, uint16_t*,
-                      std::vector<float>&);
+                      const bool*, int64_t, int64_t, int64_t, float, float, bool, bool,
+                      uint16_t*, std::vector<float>&);
 
 template <int DC>
 RowFn fixed_kernel_of(int64_t g) {
@@ -338,7 +342,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
           const int64_t head = i * h + kvh * g_heads, kv_offset = kvh * d;
           fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
                 keys[i], per_row == 1 ? hkv : 1, row_stride, static_cast<float>(scale),
-                static_cast<float>(softcap), pull, op + head * d, buf);
+                static_cast<float>(softcap), pull, per_row == 1, op + head * d, buf);
         }
     });
     return out;
