@@ -56,6 +56,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cached blocks that served no prefix hit are recycled before the pool "
                         "commits more, so resident KV memory follows the peak in use (a "
                         "number >= the pool commits all)")
+    g.add_argument("--kv-cache-prefault-tokens", type=int, default=None,
+                   help="CPU: KV tokens beyond those committed at start that a background "
+                        "thread commits while no step runs (default: max-num-seqs x 256, at "
+                        "most 1 GiB of KV; 0: off), so a burst's new blocks take no page "
+                        "faults inside its steps")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-prefill-tokens-per-step", type=int, default=512,
@@ -135,6 +140,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
         kv_cache_commit_tokens=args.kv_cache_commit_tokens,
+        kv_cache_prefault_tokens=args.kv_cache_prefault_tokens,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,

@@ -83,6 +83,7 @@ class CacheConfig:
     kv_cache_fraction: float = 0.5         # cap: this share of free memory when kv_cache_gib is None
     num_kv_blocks: Optional[int] = None    # overrides the memory budget (tests use tiny pools)
     kv_cache_commit_tokens: int = 5120     # CPU: KV tokens written at start; never-hit cached blocks are recycled before the pool commits more
+    kv_cache_prefault_tokens: Optional[int] = None   # CPU: KV tokens committed in the background while idle (None: max_num_seqs x 256, at most 1 GiB; 0: off)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -95,6 +96,9 @@ class CacheConfig:
         if self.kv_cache_commit_tokens < 0:
             raise ValueError(f"kv_cache_commit_tokens must be >= 0, got "
                              f"{self.kv_cache_commit_tokens}")
+        if self.kv_cache_prefault_tokens is not None and self.kv_cache_prefault_tokens < 0:
+            raise ValueError(f"kv_cache_prefault_tokens must be >= 0, got "
+                             f"{self.kv_cache_prefault_tokens}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kv_cache_dtype not in DTYPES + ("int8", "fp8_e4m3"):

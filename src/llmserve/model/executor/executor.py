@@ -15,12 +15,14 @@ None): it knows how to cut its own model, not that other processes exist.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol
 
 from llmserve.config import EngineConfig
 from llmserve.engine.step_types import StepInput, StepOutput
 from llmserve.model.executor.background_compile import start_if_missing
+from llmserve.model.executor.kv_prefault import KVPrefaulter, start_kv_prefault
 from llmserve.model.executor.runner import ModelRunner
 from llmserve.model.loading.loader import CheckpointSource
 
@@ -106,28 +108,46 @@ class LocalExecutor(_RankZero):
     def __init__(self, runner: ModelRunner, args: Optional[RunnerArgs] = None) -> None:
         self.runner = runner
         self.args = args
+        self.busy = False
+        self.last_step_end = 0.0   # time.monotonic() when the last step ended
+        #: commits the KV pool's next blocks while no step runs (kv_prefault.py)
+        self.prefault: Optional[KVPrefaulter] = None
 
     def warmup(self) -> None:
         """Make the compiled graphs ready; with ``compile_in_background`` (and the runner's
         arguments to build a copy) only load those saved and leave the rest to a child
-        process (background_compile.py)."""
+        process (background_compile.py). Then start committing the KV pool's next blocks
+        in the background (kv_prefault.py)."""
         if self.args is not None and self.runner.config.model.compile_in_background:
             start_if_missing(self.runner, self.args)
         else:
             self.runner.warmup()
+        if self.prefault is None:
+            cfg = self.runner.config
+            self.prefault = start_kv_prefault(
+                self.runner.kv_caches, cfg.cache.block_size, self.runner.committed_blocks,
+                self.runner.num_blocks, cfg.cache.kv_cache_prefault_tokens,
+                cfg.scheduler.max_num_seqs, lambda: self.busy, lambda: self.last_step_end)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        self.busy = True
+        try:
+            return self.runner.execute(step)
+        finally:
+            self.busy = False
+            self.last_step_end = time.monotonic()
 
     @property
     def healthy(self) -> bool:
         return True
 
     def shutdown(self) -> None:
-        """Stop a background compile still running."""
+        """Stop a background compile and a background KV commit still running."""
         pending, self.runner.pending_graphs = self.runner.pending_graphs, None
         if pending is not None:
             pending.stop()
+        if self.prefault is not None:
+            self.prefault.stop()
 
 
 class TensorParallelExecutor(_RankZero):
