@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from llmserve.model.layers.cpu_kernels import stored_rows
 from llmserve.model.quant.kv import load_kv, store_kv
 
 
@@ -127,12 +128,15 @@ class AttentionBackend(ABC):
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor) -> AttentionMetadata:
-        """Metadata of a decode-only step from tensors alone (traceable by torch.compile)."""
+        """Metadata of a decode-only step from tensors alone (traceable by torch.compile).
+        Inside a compiled CPU graph the key table and mask are stored once
+        (``stored_rows``): inductor would otherwise recompute them in every layer's fused
+        kernel, as many times as the model has layers."""
         bs = self.block_size
         b, w = block_tables.shape
         keys = torch.arange(w * bs, device=block_tables.device)
-        valid = keys.unsqueeze(0) < context_lens.unsqueeze(1)
-        slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
+        valid = stored_rows(keys.unsqueeze(0) < context_lens.unsqueeze(1))
+        slots = stored_rows((block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs))
         return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs, num_decodes=b,
                                  decode_block_tables=block_tables, decode_valid=valid,
                                  decode_slots=slots, decode_context_lens=context_lens)
@@ -145,8 +149,8 @@ class AttentionBackend(ABC):
         bs = self.block_size
         b, w = block_tables.shape
         keys = torch.arange(w * bs, device=block_tables.device)
-        valid = keys <= positions.unsqueeze(-1)                           # (B, Q, L)
-        slots = (block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs)
+        valid = stored_rows(keys <= positions.unsqueeze(-1))              # (B, Q, L)
+        slots = stored_rows((block_tables.unsqueeze(-1) * bs + keys[:bs]).view(b, w * bs))
         return AttentionMetadata(slot_mapping=slot_mapping, block_size=bs,
                                  num_decodes=positions.numel(), decode_block_tables=block_tables,
                                  decode_valid=valid, decode_slots=slots,

@@ -49,3 +49,26 @@ def native_decode_available() -> bool:
     """The native library is loaded and its decode attention checks out (once per process)."""
     return kernel_checked("paged_decode", _self_test)
 
+
+
+def kv_store_native(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """``cache[slots] = x`` for bf16 rows ``x (T, Hkv, D)`` (heads contiguous) by the native
+    row copies (``model/native/csrc/kv_store.cpp``): the bytes of ``index_copy_``."""
+    torch.ops.llmserve_native.kv_store(cache, slots, x)
+
+
+def _kv_store_self_test() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    want = torch.randn(40, 2, 64, generator=gen).bfloat16()
+    got = want.clone()
+    qkv = torch.randn(9, 3 * 128, generator=gen).bfloat16()
+    x = qkv[:, 128:256].view(9, 2, 64)                    # a strided view, as V is
+    slots = torch.randperm(40, generator=gen)[:9]
+    want.index_copy_(0, slots, x)
+    kv_store_native(got, slots, x)
+    return torch.equal(got, want)
+
+
+def native_kv_store_available() -> bool:
+    """The native library is loaded and its KV row copies check out (once per process)."""
+    return kernel_checked("kv_store", _kv_store_self_test)

@@ -27,7 +27,12 @@ from typing import Optional
 import torch
 
 from llmserve.model.attention.backend import AttentionMetadata, GroupMetadata, StepBatch, write_kv
-from llmserve.model.attention.native_decode import native_decode_available, paged_decode_native
+from llmserve.model.attention.native_decode import (
+    kv_store_native,
+    native_decode_available,
+    native_kv_store_available,
+    paged_decode_native,
+)
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
 from llmserve.model.quant.kv import load_kv
 
@@ -114,6 +119,9 @@ class PagedBackend(ReferenceBackend):
         self.native_decode = ((device is None or device.type == "cpu") and dtype == torch.bfloat16
                               and kv_dtype == torch.bfloat16 and head_dim % 16 == 0
                               and native_decode_available())
+        # eager steps write their K/V rows by native row copies (compiled steps keep the
+        # copy inductor fuses with the rotary embedding): the same bytes
+        self.native_store = self.native_decode and native_kv_store_available()
 
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
         nd = batch.num_decodes
@@ -163,7 +171,11 @@ class PagedBackend(ReferenceBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: Optional[int] = None,
                 softcap: Optional[float] = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.native_store and not torch.compiler.is_compiling():
+            kv_store_native(k_cache, meta.slot_mapping, k)
+            kv_store_native(v_cache, meta.slot_mapping, v)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         outs = []
         nd = meta.num_decodes
         if nd:

@@ -1,6 +1,6 @@
 """llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
 
-Nine operators, ``torch.ops.llmserve_native``:
+Eleven operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
@@ -14,7 +14,10 @@ Nine operators, ``torch.ops.llmserve_native``:
 - ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
   (:mod:`llmserve.model.attention.native_decode`);
 - ``silu_mul``: the SwiGLU activation of a fused ``[gate | up]`` output
-  (:mod:`llmserve.model.layers.activation`).
+  (:mod:`llmserve.model.layers.activation`);
+- ``rotate_qk``: the rotary embedding of a prefill chunk's q and k
+  (:mod:`llmserve.model.layers.rotary`); ``kv_store``: an eager step's K/V rows copied
+  into the paged cache (:mod:`llmserve.model.attention.native_decode`).
 
 All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
 itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csrc/avx2/``,
@@ -198,6 +201,15 @@ def _fake_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
+def _fake_rotate_qk(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _fake_kv_store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    return None
+
+
 def _load() -> bool:
     if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
         logger.info("native CPU kernels disabled (LLMSERVE_NATIVE_KERNELS=0)")
@@ -230,6 +242,8 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::qblock_rows")(_fake_qblock_rows)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
             torch.library.register_fake("llmserve_native::silu_mul")(_fake_silu_mul)
+            torch.library.register_fake("llmserve_native::rotate_qk")(_fake_rotate_qk)
+            torch.library.register_fake("llmserve_native::kv_store")(_fake_kv_store)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's native CPU kernels are unavailable (%s): using PyTorch's",
