@@ -80,3 +80,16 @@ def test_no_server_is_a_message_and_exit_2(tmp_path, monkeypatch, caplog):
                  str(tmp_path / "o")]) == 2
     assert "NAME=COMMAND" in caplog.text
     assert not Path(tmp_path / "o" / "results.json").exists()
+
+
+def test_each_round_starts_with_the_next_server():
+    from tools.peers.vllm_bench_serve import round_order
+    servers = ["llmserve", "before", "vllm"]
+    orders = [round_order(servers, r) for r in range(4)]
+    assert orders[:3] == [["llmserve", "before", "vllm"], ["before", "vllm", "llmserve"],
+                          ["vllm", "llmserve", "before"]]
+    assert orders[3] == orders[0]
+    # over as many rounds as servers, each server runs in every position once
+    for position in range(3):
+        assert sorted(o[position] for o in orders[:3]) == sorted(servers)
+    assert round_order([], 2) == []

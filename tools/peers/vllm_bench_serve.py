@@ -8,7 +8,9 @@ The independent client of issue 34's load figures. Every server is started first
 ``{host}``/``{port}`` filled in, each waited for until ready; ``--vllm`` adds vLLM CPU from
 ``make bench-peers-vllm`` on the model's bfloat16 export), then each round runs every
 concurrency on every server, one server after another, so that a slow or noisy minute hits
-all of them alike. Within a round all servers get the same random prompts (one seed per
+all of them alike; each round starts with the next server (over as many rounds as servers,
+each runs in every position once), and each run follows ``--pause`` seconds of quiet, since
+the server run right after a peer's can meet that peer's threads still busy. Within a round all servers get the same random prompts (one seed per
 round and concurrency); no two rounds share prompts, so no server answers from its prefix
 cache what an earlier run already computed (``vllm bench serve``'s random dataset repeats
 its prompts for a repeated seed). A run that fails stops the tool (exit 1); each finished
@@ -27,9 +29,10 @@ import logging
 import statistics
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypeVar
 
 import httpx
 
@@ -43,6 +46,7 @@ from llmserve.bench.compare import (
 from llmserve.bench.peers import PeerSettings, find_vllm_python
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The figures kept from a ``vllm bench serve`` result file, under the names it writes.
 FIELDS = ("output_throughput", "median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms",
@@ -141,6 +145,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per client run")
+    p.add_argument("--pause", type=float, default=3.0,
+                   help="seconds of quiet before each client run (a server's threads settle)")
     p.add_argument("--output-dir", required=True)
     return p.parse_args(argv)
 
@@ -186,6 +192,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def round_order(servers: Sequence[T], rnd: int) -> list[T]:
+    """The servers in the order round ``rnd`` runs them: each round starts with the next
+    one, so over ``len(servers)`` rounds every server runs in every position once (the run
+    right after a peer's can meet that peer's threads still busy)."""
+    k = rnd % len(servers) if servers else 0
+    return [*servers[k:], *servers[:k]]
+
+
 def _run_rounds(args: argparse.Namespace, specs: Sequence[ServerSpec], concurrencies: list[int],
                 python: str, tokenizer: str, out: Path, runs: list[dict]) -> dict[str, str]:
     """Start every server, run the rounds (appending to ``runs``), stop the servers;
@@ -197,9 +211,11 @@ def _run_rounds(args: argparse.Namespace, specs: Sequence[ServerSpec], concurren
             procs.append(stack.enter_context(ServerProcess(spec, out / f"{spec.name}.log")))
         ids = {p.spec.name: served_model_id(p.url) for p in procs}
         for rnd in range(args.rounds):
+            order = round_order(procs, rnd)
             for i, conc in enumerate(concurrencies):
                 seed = args.first_seed + rnd * len(concurrencies) + i   # never repeated
-                for proc in procs:
+                for proc in order:
+                    time.sleep(args.pause)
                     name = f"r{rnd}-c{conc}-{proc.spec.name}"
                     cmd = bench_serve_command(
                         python, proc.url, ids[proc.spec.name], tokenizer, concurrency=conc,

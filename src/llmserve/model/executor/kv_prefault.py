@@ -106,17 +106,20 @@ class KVPrefaulter:
 
     def _run(self) -> None:
         t0, first = time.perf_counter(), self.committed
-        while not self._stop.is_set() and self.committed < self.target:
-            if not self._idle():
-                self._stop.wait(self.idle_s)
-                continue
-            end = min(self.target, self.committed + self.chunk)
-            if not populate(self.tensors, self.committed, end, self.block_bytes):
-                return
-            self.committed = end
-        if self.committed >= self.target and self.committed > first:
-            logger.info("KV pool: blocks %d-%d committed in the background (%.1f s)", first,
-                        self.committed - 1, time.perf_counter() - t0)
+        try:
+            while not self._stop.is_set() and self.committed < self.target:
+                if not self._idle():
+                    self._stop.wait(self.idle_s)
+                    continue
+                end = min(self.target, self.committed + self.chunk)
+                if not populate(self.tensors, self.committed, end, self.block_bytes):
+                    return
+                self.committed = end
+            if self.committed >= self.target and self.committed > first:
+                logger.info("KV pool: blocks %d-%d committed in the background (%.1f s)",
+                            first, self.committed - 1, time.perf_counter() - t0)
+        finally:
+            self.tensors = []   # the pool's tensors are not kept alive by a finished thread
 
 
 #: Tokens per sequence of the default prefault target (max_num_seqs x this)
