@@ -20,6 +20,8 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.executor.capture import LogitsCapture
+from llmserve.model.layers.rotary import native_rotate_qk
+from llmserve.model.native.ops import native_available
 from llmserve.model.quant.native_int4 import native_int4_a8_available
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
@@ -83,6 +85,11 @@ def test_logits_are_the_same_alone_batched_chunked_and_cached(gguf_path, params)
     assert llm.engine.runner.compiled is not None, "the compiled decode step must be on"
     a8 = "-a8" if native_int4_a8_available() else ""   # the default path of this CPU
     assert f"linear:int4-g32{a8}" in llm.engine.runner.quantization
+    if native_available():   # the native SwiGLU, rotary and K/V writes are what runs here
+        runner = llm.engine.runner
+        assert runner.kernel_plan["mlp_activation"] == "native silu_mul"
+        assert runner.model.rotary.rows_rotary is native_rotate_qk
+        assert runner.backend.native_store
     alone = [run(llm, [p], params) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     # all four together, then inside batches of 4 + 4 and 4 + 12 other requests (the

@@ -32,6 +32,7 @@ from llmserve.model.executor.sharding import RankSharding
 from llmserve.model.layers.compiled_rows import enable_compiled_rows
 from llmserve.model.loading.loader import CheckpointSource
 from llmserve.model.models.registry import build_model
+from llmserve.model.native.ops import self_test_results
 from llmserve.model.platform import env_flag, resolve_device, resolve_dtype, resolve_kv_dtype
 from llmserve.model.quant import describe_quantization, select_linear_method
 from llmserve.model.sampling.logits_processors import LogitsAdjuster
@@ -166,6 +167,8 @@ class ModelRunner:
         if ready and self.compiled_verify is not None:
             ready = self.compiled_verify.warmup(load_only)
         self.graphs_ready = ready
+        # kernels checked while warming up (the many-row rotary) join the plan's list
+        self.kernel_plan["native_kernels"] = self_test_results()
         return ready
 
     def grammar_stats(self) -> dict[str, float | int]:
