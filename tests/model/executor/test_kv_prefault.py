@@ -136,3 +136,22 @@ def test_an_engine_commits_its_next_blocks_while_idle_and_answers_the_same(tiny_
     llm.engine.kv.check_invariants()
     llm.engine.executor.shutdown()
     assert not p._thread.is_alive()
+
+
+def test_a_kernel_without_populate_stops_the_prefaulter_at_its_first_chunk(monkeypatch):
+    import llmserve.model.executor.kv_prefault as kp
+
+    calls = []
+
+    def failing(addr, length, advice):
+        calls.append((addr, length, advice))
+        return -1
+    monkeypatch.setattr(kp, "_madvise", lambda: failing)
+    cache = torch.zeros(64, 4096, dtype=torch.uint8)
+    assert not populate([cache], 0, 8, 4096)
+    p = KVPrefaulter([cache], 4096, start=0, target=64, busy=lambda: False,
+                     last_step_end=lambda: 0.0, chunk=8).start()
+    p._thread.join(5)
+    assert not p._thread.is_alive() and p.committed == 0 and not p.done
+    assert calls and all(advice == kp.MADV_POPULATE_WRITE for _, _, advice in calls)
+    assert p.tensors == []                       # a finished thread keeps no pool tensor
