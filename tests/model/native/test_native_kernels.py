@@ -28,10 +28,8 @@ from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.native import ops as native
 from llmserve.model.quant.kernels import Int4Weight, quantize_int4
 from llmserve.model.quant.native_int4 import int4_mm, native_int4_a8_available, pack_int4
+from tests.model.native import needs_native
 from tests.model.tiny_checkpoints import make_tiny_checkpoint
-
-needs_native = pytest.mark.skipif(not native.native_available(),
-                                  reason="native kernels need AVX512-BF16 and a C++ compiler")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

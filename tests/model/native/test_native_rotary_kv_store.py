@@ -12,10 +12,7 @@ from llmserve.model.layers.rotary import (
     native_rotate_qk_available,
     rotate_qk,
 )
-from llmserve.model.native import ops as native
-
-needs_native = pytest.mark.skipif(not native.native_available(),
-                                  reason="native kernels need AVX512-BF16 and a C++ compiler")
+from tests.model.native import needs_native
 
 
 def _qk(rows: int, heads: int, kv_heads: int, d: int, seed: int = 0):

@@ -12,9 +12,7 @@ from llmserve.model.layers.activation import (
     silu_and_mul,
 )
 from llmserve.model.native import ops as native
-
-needs_native = pytest.mark.skipif(not native.native_available(),
-                                  reason="native kernels need AVX512-BF16 and a C++ compiler")
+from tests.model.native import needs_native
 
 
 def _gate_up(rows: int, width: int, seed: int = 0, scale: float = 5.0) -> torch.Tensor:

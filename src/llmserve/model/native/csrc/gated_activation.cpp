@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
 
 #include <immintrin.h>
 
@@ -22,17 +23,17 @@
 
 namespace {
 
+using llmserve_native::first_lanes16;
+using llmserve_native::load_bf16x16_masked;
+using llmserve_native::widen_bf16x16;
+
 
 constexpr int64_t kChunk = 256;        // columns of one task
 constexpr int64_t kParallelMin = 16384; // outputs below which one thread does it all
 
-inline __m512 bf16_bits_to_f32(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // bf16 rounding (to nearest even, NaN kept) and back, as a float32 value
 inline __m512 round_bf16(__m512 v) {
-  return bf16_bits_to_f32((__m256i)_mm512_cvtneps_pbh(v));
+  return widen_bf16x16((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // exp(x) in float32: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by a degree-6
@@ -61,10 +62,8 @@ inline void silu_mul_cols(const uint16_t* gate, const uint16_t* up, uint16_t* y,
                           int64_t c1) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t c = c0; c < c1; c += 16) {
-    const __mmask16 m = c1 - c >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                     : static_cast<__mmask16>((1u << (c1 - c)) - 1);
-    const __m512 g = bf16_bits_to_f32(_mm256_maskz_loadu_epi16(m, gate + c));
-    const __m512 u = bf16_bits_to_f32(_mm256_maskz_loadu_epi16(m, up + c));
+    const __mmask16 m = first_lanes16(c1 - c);
+    const __m512 g = load_bf16x16_masked(gate + c, m), u = load_bf16x16_masked(up + c, m);
     const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
     _mm256_mask_storeu_epi16(y + c, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));

@@ -16,6 +16,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -23,17 +25,15 @@
 
 namespace {
 
-inline __m512 bf16_to_f32(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using llmserve_native::first_lanes16;
+using llmserve_native::load_bf16x16_masked;
 
 // x' and y' of one head's `half` pairs
 __attribute__((optimize("fp-contract=off"))) void rotate_head(const uint16_t* in, uint16_t* out,
                                                                 const float* cs, int64_t half) {
   for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                       : static_cast<__mmask16>((1u << (half - i)) - 1);
-    const __m512 x = bf16_to_f32(in + i, m), y = bf16_to_f32(in + half + i, m);
+    const __mmask16 m = first_lanes16(half - i);
+    const __m512 x = load_bf16x16_masked(in + i, m), y = load_bf16x16_masked(in + half + i, m);
     const __m512 c = _mm512_maskz_loadu_ps(m, cs + i), s = _mm512_maskz_loadu_ps(m, cs + half + i);
     const __m512 xc = _mm512_mul_ps(x, c), ys = _mm512_mul_ps(y, s);
     const __m512 yc = _mm512_mul_ps(y, c), xs = _mm512_mul_ps(x, s);
