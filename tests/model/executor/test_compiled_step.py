@@ -160,22 +160,27 @@ def test_compile_failure_falls_back_to_eager(tiny_path, monkeypatch, caplog):
 
 def test_long_prefill_uses_the_compiled_rows_functions_and_matches_eager(tiny_path,
                                                                          compiled_llm):
-    """A compiling engine gives its RMSNorms, rotary embedding and MLP activations compiled
-    many-row functions (prefill chunks of 64+ rows: layers/compiled_rows.py); the logits stay
-    those of the eager engine, whose modules stay plain."""
+    """A compiling engine gives its rotary embedding and MLP activations compiled many-row
+    functions (prefill chunks of 64+ rows: layers/compiled_rows.py); its RMSNorms call one
+    opaque norm on every path (layers/norm.py), the same as the eager engine's. The logits
+    stay those of the eager engine, whose modules stay plain."""
     from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN
+    from llmserve.model.layers.norm import RMSNorm
 
     def rows_modules(llm):
         return [m for m in llm.engine.runner.model.modules() if hasattr(m, "compile_rows")]
 
     compiled = rows_modules(compiled_llm)
     kinds = {type(m).__name__ for m in compiled}
-    assert {"RMSNorm", "RotaryEmbedding", "GatedMLP"} <= kinds
-    attr = {"RMSNorm": "rows_norm", "RotaryEmbedding": "rows_rotary", "GatedMLP": "rows_act"}
+    assert {"RotaryEmbedding", "GatedMLP"} <= kinds
+    attr = {"RotaryEmbedding": "rows_rotary", "GatedMLP": "rows_act"}
     assert all(getattr(m, attr[type(m).__name__]) is not None for m in compiled)
     eager = LLM(tiny_path, dtype="float32", num_kv_blocks=128, max_num_seqs=8,
                 enforce_eager=True)
     assert all(getattr(m, attr[type(m).__name__]) is None for m in rows_modules(eager))
+    norms = [m for llm in (compiled_llm, eager) for m in llm.engine.runner.model.modules()
+             if isinstance(m, RMSNorm)]
+    assert len({m.rows_norm for m in norms}) == 1
     calls: "dict[str, list[int]]" = {}
     wrapped = {}
     for kind in attr:
@@ -218,16 +223,21 @@ def test_a_graph_traced_over_many_rows_does_not_guard_on_the_row_count():
     the row count with the many-row threshold (a guard that would split the graph at 64)."""
     from torch._dynamo.utils import counters
 
+    from llmserve.model.layers.activation import silu_and_mul
     from llmserve.model.layers.compiled_rows import COMPILED_ROWS_MIN
-    from llmserve.model.layers.norm import RMSNorm
+    from llmserve.model.layers.linear import DenseLinearMethod
+    from llmserve.model.models.base import GatedMLP
 
-    norm = RMSNorm(32, 1e-6, torch.float32, torch.device("cpu"))
-    assert norm.compile_rows(torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    mlp = GatedMLP(32, 16, "silu", DenseLinearMethod(prepack=False), torch.float32, cpu)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.data.copy_(torch.randn_like(lin.weight))
+    assert mlp.compile_rows(torch.float32, cpu)
     torch._dynamo.reset()
     counters.clear()
-    step = torch.compile(lambda t: torch.relu(norm(t)), dynamic=True)
+    step = torch.compile(lambda t: torch.relu(mlp(t)), dynamic=True)
     for rows in (COMPILED_ROWS_MIN + 6, 3, 17):
         x = torch.randn(rows, 32)
-        plain = torch.nn.functional.rms_norm(x, (32,), norm.weight, norm.eps)
+        plain = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))
         torch.testing.assert_close(step(x), torch.relu(plain))
     assert counters["stats"]["unique_graphs"] == 1

@@ -101,6 +101,11 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
     assert none["cpu"]["tier"] == "none" and not any(none["native_kernels"].values())
     assert none["cpu"]["a8_library"] is None
     assert none["attention"]["decode"] == "torch"
+    # every tier's norm is one opaque op: its library's rms_norm, else ATen's behind an op
+    for plan in (top, bf16):
+        assert plan["norm"] == "native rms_norm (llmserve_native)"
+    assert avx2["norm"] == "native rms_norm (llmserve_avx2)"
+    assert none["norm"] == "torch rms_norm (one op on every path)"
 
 
 @pytest.mark.parametrize("kw", [dict(dtype="bfloat16", kv_cache_dtype="int8"),

@@ -17,6 +17,7 @@ from torch import nn
 
 from llmserve.model.layers.activation import GATED_ACTIVATIONS, native_silu_mul
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
+from llmserve.model.layers.norm import RMSNorm, rows_norm_name
 from llmserve.model.native.ops import a8_library, cpu_tier, self_test_results
 from llmserve.model.platform import cpu_flags
 from llmserve.model.quant import linear_formats
@@ -59,6 +60,8 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
                 module.qweight.format_name.removesuffix("-a8")
         elif isinstance(module, LMHead):
             head = _lm_head(module)
+    norms = sorted({rows_norm_name(m.rows_norm) for m in model.modules()
+                    if isinstance(m, RMSNorm)})
     native_decode = bool(getattr(backend, "native_decode", False))
     return {
         "cpu": {"tier": cpu_tier(), "flags": [f for f in _FLAGS if f in cpu_flags()],
@@ -70,6 +73,7 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
         "lm_head": head,
         "embedding": embedding,
         "mlp_activation": ", ".join(activations) or "none",
+        "norm": ", ".join(norms) or "none",
         "attention": {
             "backend": getattr(backend, "name", type(backend).__name__),
             "decode": "native paged_decode" if native_decode else "torch",
@@ -90,7 +94,7 @@ def format_kernel_plan(plan: dict[str, Any], step: str) -> str:
         f"kernel plan (CPU tier {plan['cpu']['tier']}; {plan['dtype']}, KV {plan['kv_dtype']})",
         f"  linear:     {linear}",
         f"  lm head:    {plan['lm_head']}; embedding: {plan['embedding']}",
-        f"  mlp act:    {plan.get('mlp_activation', 'none')}",
+        f"  mlp act:    {plan.get('mlp_activation', 'none')}; norm: {plan.get('norm', 'none')}",
         f"  attention:  {plan['attention']['backend']}: decode {plan['attention']['decode']}, "
         f"prefill {plan['attention']['prefill']}",
         f"  step:       {step}",

@@ -117,16 +117,8 @@ def rows_copy(x: torch.Tensor) -> torch.Tensor:
 
 def stored_rows(h: torch.Tensor) -> torch.Tensor:
     """``h`` stored before the next op reads it, inside a compiled CPU graph (as is in eager
-    code and on other devices).
-
-    The first RMSNorm of a compiled step reads the embedding lookup. Fused, its loop reads
-    token ids, which are contiguous in the row index, so inductor vectorizes it across rows:
-    each lane sums its row's squares left to right, while every other norm (and the same
-    norm in a graph with a fixed single row) sums 32 lanes along the row and then across
-    them. A row's variance then depends on the graph that computes it (a batch of one or
-    many, a verify step), and a rounding now and then changes a greedy token. Stored rows
-    give every norm one summation order (tests/model/test_batch_invariance.py).
-    """
+    code and on other devices): a value every layer reads (the decode step's key table and
+    mask) is then computed once, not inlined into each reader's loop."""
     if torch.compiler.is_compiling() and h.device.type == "cpu":
         return rows_copy(h)
     return h

@@ -25,7 +25,6 @@ from llmserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers.activation import GatedActivation, gated_activation, native_silu_mul
 from llmserve.model.layers.compiled_rows import WARMUP_ROWS, compile_rows, many_rows
-from llmserve.model.layers.cpu_kernels import stored_rows
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
 from llmserve.model.layers.linear import Linear, LinearMethod
 from llmserve.model.layers.norm import RMSNorm
@@ -239,7 +238,6 @@ class CausalLM(nn.Module, ABC):
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        h = stored_rows(h)   # one summation order for the first norm (cpu_kernels.py)
         # layers indexed, not iterated: iterating a ModuleList makes a traced graph guard
         # the order of its dict's keys, a guard a saved graph cannot keep (graph_store.py)
         for i, (rotary, kv) in enumerate(zip(self._layer_rotary, kv_caches)):

@@ -53,10 +53,12 @@ from llmserve.model.platform import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.cpp"))
+#: kernels in plain C++ that every tier's library builds for its own ISA (same bits on each)
+PORTABLE_SOURCES = sorted((CSRC / "portable").glob("*.cpp"))
+SOURCES = sorted(CSRC.glob("*.cpp")) + PORTABLE_SOURCES
 HEADERS = sorted(CSRC.glob("*.h"))
 #: the avx2 tier's library (``llmserve_avx2``): its own sources, and the operand checks
-AVX2_SOURCES = sorted((CSRC / "avx2").glob("*.cpp"))
+AVX2_SOURCES = sorted((CSRC / "avx2").glob("*.cpp")) + PORTABLE_SOURCES
 AVX2_HEADERS = sorted((CSRC / "avx2").glob("*.h")) + [CSRC / "int4_operands.h",
                                                       CSRC / "int8_operands.h"]
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
@@ -72,9 +74,10 @@ _COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-Wall", "-Wextra",
                  # GCC 12's AVX-512 headers build undefined vectors as `__Y = __Y`, which
                  # -Wmaybe-uninitialized reports wherever they are inlined (a false positive)
                  "-Wno-ignored-attributes", "-Wno-maybe-uninitialized"]
-_FLAGS = [*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+_FLAGS = [*_COMMON_FLAGS, "-DLLMSERVE_LIBRARY=llmserve_native", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 #: the avx2 tier: nothing beyond AVX2, FMA and F16C (an AVX2-only EPYC or desktop runs it)
-_AVX2_FLAGS = [*_COMMON_FLAGS, "-mavx2", "-mfma", "-mf16c"]
+_AVX2_FLAGS = [*_COMMON_FLAGS, "-DLLMSERVE_LIBRARY=llmserve_avx2", "-mavx2", "-mfma",
+               "-mf16c"]
 _state: "dict[str, bool]" = {}
 _self_tests: "dict[str, bool]" = {}
 _a8_ops: "dict[str, Any]" = {}
@@ -206,6 +209,10 @@ def _fake_rotate_qk(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Ten
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+def _fake_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _fake_kv_store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
@@ -244,6 +251,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::silu_mul")(_fake_silu_mul)
             torch.library.register_fake("llmserve_native::rotate_qk")(_fake_rotate_qk)
             torch.library.register_fake("llmserve_native::kv_store")(_fake_kv_store)
+            torch.library.register_fake("llmserve_native::rms_norm")(_fake_rms_norm)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's native CPU kernels are unavailable (%s): using PyTorch's",
@@ -275,6 +283,7 @@ def _load_avx2() -> bool:
             return False
         torch.library.register_fake("llmserve_avx2::int4_a8_mm")(_fake_int4_mm)
         torch.library.register_fake("llmserve_avx2::int8_a8_mm")(_fake_int8_mm)
+        torch.library.register_fake("llmserve_avx2::rms_norm")(_fake_rms_norm)
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's avx2 kernels are unavailable (%s): using PyTorch's", exc)
         return False
@@ -301,6 +310,23 @@ def a8_ops() -> "Any | None":
             _a8_ops["a8_ops"] = torch.ops.llmserve_native if native_available() and \
                 a8_supported() else None
     return _a8_ops["a8_ops"]
+
+
+def tier_ops() -> "Any | None":
+    """The operator namespace of this CPU tier's library, for the kernels every tier's
+    library builds (``csrc/portable``): ``torch.ops.llmserve_native`` (the avx512 tiers),
+    ``torch.ops.llmserve_avx2`` (the avx2 tier), or None (no library: the none tier, no
+    compiler, ``LLMSERVE_NATIVE_KERNELS=0``)."""
+    if cpu_tier() == "avx2":
+        return torch.ops.llmserve_avx2 if avx2_available() else None
+    return torch.ops.llmserve_native if native_available() else None
+
+
+def tier_library() -> "str | None":
+    """The name of the library :func:`tier_ops` serves, or None; for the kernel plan."""
+    if tier_ops() is None:
+        return None
+    return "llmserve_avx2" if cpu_tier() == "avx2" else "llmserve_native"
 
 
 def a8_library() -> "str | None":
