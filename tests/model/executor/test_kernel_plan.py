@@ -91,13 +91,14 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
     assert bf16["cpu"]["tier"] == "avx512_bf16"
     assert not any(f.endswith("-a8") for f in bf16["linear"])
     assert "int8" in bf16["linear"] and bf16["native_kernels"].get("qblock_a8") is None
-    # avx2: the avx2 library's int8-activation products (Q5_0 as int8 rows x int8), the
-    # AVX-512 library's kernels gone, attention on PyTorch's
+    # avx2: the avx2 library's int8-activation products (Q5_0 as int8 rows x int8) and
+    # decode attention, the AVX-512 library's other kernels gone
     assert avx2["cpu"]["tier"] == "avx2" and avx2["cpu"]["a8_library"] == "llmserve_avx2"
     assert set(avx2["linear"]) == {"int8-a8"}, avx2["linear"]
     assert avx2["native_kernels"].get("int8_a8") is True
-    assert not any(avx2["native_kernels"].get(k) for k in ("int8", "paged_decode", "qblock_a8"))
-    assert avx2["attention"]["decode"] == "torch"
+    assert avx2["native_kernels"].get("paged_decode") is True
+    assert not any(avx2["native_kernels"].get(k) for k in ("int8", "qblock_a8", "silu_mul"))
+    assert avx2["attention"]["decode"] == "native paged_decode"
     assert none["cpu"]["tier"] == "none" and not any(none["native_kernels"].values())
     assert none["cpu"]["a8_library"] is None
     assert none["attention"]["decode"] == "torch"

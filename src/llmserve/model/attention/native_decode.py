@@ -9,6 +9,9 @@ threads) that pulls the row's context into cache and reads each K and V row wher
 and is several times faster there (docs/ARCHITECTURE.md, "Native kernels"; figures in
 docs/BENCHMARKS.md).
 
+Each CPU tier's library has one (``llmserve_native::paged_decode`` on the AVX-512 tiers,
+``llmserve_avx2::paged_decode`` on the avx2 tier: ``csrc/avx2/paged_decode_avx2.cpp``, the
+same contract in 8-lane vectors); :func:`native_decode_available` picks the tier's, once.
 Used for decode rows when the library is loaded and checked (``PagedBackend.native_decode``,
 decided once from the model and KV dtypes):
 bf16 queries and a bf16 KV cache on CPU, a head size that is a multiple of 16. Quantized KV
@@ -16,11 +19,14 @@ caches, other dtypes and other devices keep the compiled/eager paths.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from llmserve.model.native.ops import kernel_checked
+from llmserve.model.native.ops import kernel_checked, tier_ops
+
+#: The tier library's ``paged_decode`` (set by :func:`native_decode_available`)
+_PAGED_DECODE: "Any | None" = None
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -28,8 +34,9 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: Optional[float] = None) -> torch.Tensor:
     """``q (B, H, D)`` against cached rows ``slots (B, L)`` where ``valid (B, L)`` ->
     ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`."""
-    return torch.ops.llmserve_native.paged_decode(q, k_cache, v_cache, slots, valid, scale,
-                                                  float(softcap or 0.0))
+    if _PAGED_DECODE is None:
+        raise RuntimeError("paged_decode_native needs native_decode_available() to be true")
+    return _PAGED_DECODE(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
 
 
 def _self_test() -> bool:
@@ -46,8 +53,13 @@ def _self_test() -> bool:
 
 
 def native_decode_available() -> bool:
-    """The native library is loaded and its decode attention checks out (once per process)."""
-    return kernel_checked("paged_decode", _self_test)
+    """This CPU tier's library is loaded and its decode attention checks out (once per
+    process)."""
+    global _PAGED_DECODE
+    ops = tier_ops()
+    if ops is not None and _PAGED_DECODE is None:
+        _PAGED_DECODE = ops.paged_decode
+    return kernel_checked("paged_decode", _self_test, library=lambda: ops is not None)
 
 
 

@@ -34,6 +34,7 @@ from llmserve.model.attention.native_decode import (
     paged_decode_native,
 )
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
+from llmserve.model.layers.cpu_kernels import cpu_op
 from llmserve.model.quant.kv import load_kv
 
 
@@ -79,6 +80,27 @@ def paged_verify_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     values = load_kv(v_cache[slots], torch.float32).view(b, 1, length, hkv, 1, d)
     out = (probs.unsqueeze(-1) * values).sum(2)                 # (B, Q, Hkv, G, D)
     return out.reshape(b * nq, h * d).to(q.dtype)
+
+
+def _torch_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, valid: torch.Tensor,
+                                 block_size: int, scale: float, softcap: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@cpu_op("torch_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor valid, int block_size, float scale, float softcap) -> Tensor",
+        _torch_decode_attention_fake)
+def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, valid: torch.Tensor, block_size: int,
+                           scale: float, softcap: float) -> torch.Tensor:
+    """Decode rows without the native kernel (the none tier, quantized or float32 KV): the
+    gathered blocks and SDPA of :func:`decode_group_attention`, behind one op, so a compiled
+    decode step attends exactly as an eager mixed step does (inductor's own loops summed in
+    another order, and a sequence's logits then depended on whether a prefill shared its
+    step). ``softcap`` 0 means none."""
+    return decode_group_attention(q, k_cache, v_cache, block_tables, valid, block_size, scale,
+                                  softcap or None)
 
 
 #: Largest (query rows x keys) table a prefill group builds for the native kernel (9 bytes
@@ -196,12 +218,10 @@ class PagedBackend(ReferenceBackend):
             elif self.native_decode:
                 outs.append(paged_decode_native(qd, k_cache, v_cache, meta.decode_slots,
                                                 valid, scale, softcap))
-            elif torch.compiler.is_compiling():
-                outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
-                                                 valid, scale, softcap))
-            else:
-                outs.append(decode_group_attention(qd, k_cache, v_cache, meta.decode_block_tables,
-                                                   valid, meta.block_size, scale, softcap))
+            else:   # compiled or eager: one opaque op, the eager steps' gather + SDPA
+                outs.append(torch_decode_attention(qd, k_cache, v_cache,
+                                                   meta.decode_block_tables, valid,
+                                                   meta.block_size, scale, softcap or 0.0))
         if meta.groups:
             outs.extend(self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups,
                                            window, softcap))

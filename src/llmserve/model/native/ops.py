@@ -284,6 +284,7 @@ def _load_avx2() -> bool:
         torch.library.register_fake("llmserve_avx2::int4_a8_mm")(_fake_int4_mm)
         torch.library.register_fake("llmserve_avx2::int8_a8_mm")(_fake_int8_mm)
         torch.library.register_fake("llmserve_avx2::rms_norm")(_fake_rms_norm)
+        torch.library.register_fake("llmserve_avx2::paged_decode")(_fake_paged_decode)
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's avx2 kernels are unavailable (%s): using PyTorch's", exc)
         return False

@@ -9,8 +9,11 @@ converts ``x`` to bf16 around the op and the result back)::
         Product: ``aten._weight_int4pack_mm_for_cpu(x, packed, g, scales_zeros)``.
     int8, per output channel        w[n, k] = q[n, k] * scale[n]
         q in -127..127 (int8, row-major), scale (N,) bf16.
-        Product: ``aten._weight_int8pack_mm(x, q, scale)`` for few rows of ``x``, bf16 tiles
-        of the weight and a dense GEMM for more (:class:`Int8Weight`).
+        Product: ``aten._weight_int8pack_mm(x, q, scale)`` (:class:`Int8Weight`).
+
+Each product runs one kernel at every row count: PyTorch's kernels sum a row the same way
+whatever the rows beside it, so a row's result does not depend on its batch, its prefill
+chunk or the step's path (tests/model/test_batch_invariance.py).
 
 The int4 kernel works on 64-column tiles of at most 4 rows of ``x`` and dequantizes each
 weight tile once per 4 rows, so it is bandwidth-bound (fast) for small batches and
@@ -28,10 +31,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model.layers.cpu_kernels import cpu_op
 from llmserve.model.quant.native_int4 import (
     int4_a8_mm,
     native_int4_a8_available,
@@ -146,77 +147,6 @@ def as_kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
-#: From this many rows on (prefill chunks), int4 products dequantize bf16 tiles and use a dense
-#: GEMM: the int4 kernel's cost grows linearly with the rows, while dequantizing costs a fixed
-#: pass over the weights (measured in one serving run: from 16 rows the dequantization made
-#: 24-sequence decode steps several times slower, so decode batches stay on the int4 kernel;
-#: docs/BENCHMARKS.md).
-INT4_GEMM_MIN_ROWS = 96
-_PACK_BLOCK_N = 64
-
-
-def unpack_int4_columns(packed: torch.Tensor, start: int, cols: int) -> torch.Tensor:
-    """Codes ``(K, cols)`` of output rows ``[start, start + cols)`` read back from the CPU
-    kernel's packed weight (no second copy of the weights is kept for this).
-
-    ``_convert_weight_to_int4pack_for_cpu`` (AVX-512 build) stores each block of 64 output
-    rows as K runs of 32 bytes: byte ``d`` holds rows ``d`` (low nibble) and ``32 + d``
-    (high), byte ``16 + d`` rows ``16 + d`` and ``48 + d``; a last block of 16/32/48 rows holds
-    rows ``2i`` and ``2i + 1`` in byte ``i``. ``start`` is a multiple of 64. Callers check the
-    layout once (:meth:`Int4Weight._layout_ok`): another build packs differently.
-    """
-    n, half = packed.shape
-    k = 2 * half
-    flat = packed.view(-1)
-    full = min(cols, (n - start) // _PACK_BLOCK_N * _PACK_BLOCK_N)
-    parts = []
-    if full:
-        blocks = flat[start * half:(start + full) * half].view(full // _PACK_BLOCK_N, k, 2, 16)
-        codes = torch.cat([blocks & 15, blocks >> 4], 2)          # (B, K, 4, 16): rows 0..63
-        parts.append(codes.permute(1, 0, 2, 3).reshape(k, full))
-    if cols > full:
-        tail = flat[(start + full) * half:(start + cols) * half].view(k, (cols - full) // 2)
-        parts.append(torch.stack([tail & 15, tail >> 4], -1).view(k, cols - full))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def _int4_tiled_mm_fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                        group_size: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-@cpu_op("int4_tiled_mm(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor",
-        _int4_tiled_mm_fake)
-def int4_tiled_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                  group_size: int) -> torch.Tensor:
-    """``x (M, K) bf16 @ W^T`` for the kernel's packed int4 weight and its (K/g, N, 2)
-    scales and zeros: ``w = (q - 8) * scale + zero`` dequantized in bf16 tiles of ~4 MB,
-    each multiplied by a dense GEMM. Returns all (padded) N columns."""
-    n, half = packed.shape
-    k = 2 * half
-    cols_per_tile = max(_PACK_BLOCK_N, (1 << 21) // k // _PACK_BLOCK_N * _PACK_BLOCK_N)
-    if n <= cols_per_tile:   # one tile (every weight of a small model): no output copy
-        return torch.matmul(x, _int4_tile(packed, scales_zeros, group_size, 0, n, x.dtype))
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for start in range(0, n, cols_per_tile):
-        cols = min(cols_per_tile, n - start)
-        out[:, start:start + cols] = torch.matmul(
-            x, _int4_tile(packed, scales_zeros, group_size, start, cols, x.dtype))
-    return out
-
-
-def _int4_tile(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, start: int,
-               cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantized ``(K, cols)`` weights of output rows ``[start, start + cols)``."""
-    k = 2 * packed.shape[1]
-    q = unpack_int4_columns(packed, start, cols).view(k // group_size, group_size, cols)
-    sz = scales_zeros[:, start:start + cols]                            # (K/g, cols, 2)
-    scale = sz[..., 0].contiguous().unsqueeze(1)        # contiguous: broadcasting a strided
-    zero = sz[..., 1].contiguous().unsqueeze(1)         # view runs far slower
-    w = torch.addcmul(zero, q.to(dtype).sub_(8), scale)                 # one bf16 rounding
-    return w.view(k, cols)
-
-
 class Int4Weight(nn.Module):
     """A packed int4 weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
@@ -251,7 +181,7 @@ class Int4Weight(nn.Module):
             if packed_a8 is not None:
                 self.register_buffer("qweight", packed_a8[0], persistent=False)
                 self.register_buffer("scales_zeros", packed_a8[1], persistent=False)
-                self.native, self.tiled, self.int8_activations = True, False, True
+                self.native, self.int8_activations = True, True
                 return
             logger.warning("int4 weight %dx%d: scales outside fp16's range; this layer keeps "
                            "bf16 activations", n, k)
@@ -262,28 +192,11 @@ class Int4Weight(nn.Module):
             packed, sz = pack_int4(q, scale, zero, self.group_size)
             self.register_buffer("qweight", packed, persistent=False)
             self.register_buffer("scales_zeros", sz, persistent=False)
-            self.tiled = False
             return
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).contiguous(), 1), persistent=False)
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(
             KERNEL_DTYPE).contiguous(), persistent=False)
-        # many-row products dequantize tiles read back from the packed weight itself
-        self.tiled = self._layout_ok(q)
-
-    def _layout_ok(self, q: torch.Tensor) -> bool:
-        """The packed layout is the one :func:`unpack_int4_columns` reads (first and last
-        blocks checked); otherwise every product uses the int4 kernel."""
-        n = q.shape[0]
-        last = (n - 1) // _PACK_BLOCK_N * _PACK_BLOCK_N
-        for start in sorted({0, last}):
-            cols = min(_PACK_BLOCK_N, n - start)
-            got = unpack_int4_columns(self.qweight, start, cols)
-            if not torch.equal(got, q[start:start + cols].t().to(got.dtype)):
-                logger.info("int4 packed layout not recognised on this build: many-row "
-                            "products stay on the int4 kernel")
-                return False
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = as_kernel_input(x)
@@ -293,9 +206,7 @@ class Int4Weight(nn.Module):
             y = int4_a8_mm(x2, self.qweight, self.scales_zeros, self.group_size)
         elif self.native:
             y = native_int4_mm(x2, self.qweight, self.scales_zeros, self.group_size)
-        elif self.tiled and x2.shape[0] >= INT4_GEMM_MIN_ROWS:
-            y = int4_tiled_mm(x2, self.qweight, self.scales_zeros, self.group_size)
-        else:
+        else:   # PyTorch's kernel at every row count: it sums each row alike at any M
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
                                                            self.scales_zeros)
         if self.padded:
@@ -318,49 +229,15 @@ class Int4Weight(nn.Module):
         return f"int4 g{self.group_size}{a8}{order}, {self.out_features}x{self.in_features}"
 
 
-#: From this many rows of ``x`` on, int8 products dequantize the weight tile by tile to bf16
-#: and use a dense GEMM (``_weight_int8pack_mm`` costs about one weight pass per row); wide
-#: weights (an LM head) amortize the tiles sooner. Crossovers measured on AVX512-BF16, 2
-#: threads: ~16 rows for 576..3072 outputs, ~5 rows for 49152.
-INT8_GEMM_MIN_ROWS = 16
-INT8_GEMM_MIN_ROWS_WIDE = 5
-INT8_WIDE_OUTPUTS = 16384
-_TILE_ELEMENTS = 1 << 21      # ~4 MB of bf16 per dequantized tile: stays in the L3 cache
-
-
-def _int8_gemm_min_rows(out_features: int) -> int:
-    return INT8_GEMM_MIN_ROWS_WIDE if out_features >= INT8_WIDE_OUTPUTS else INT8_GEMM_MIN_ROWS
-
-
-def _int8_mm_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], q.shape[0])
-
-
-@cpu_op("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor", _int8_mm_fake)
-def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x (M, K) bf16 @ (q * scale)^T``: ``_weight_int8pack_mm`` for few rows, bf16 tiles of
-    ~4 MB and a dense GEMM from :func:`_int8_gemm_min_rows` rows on. One opaque op, so a
-    compiled graph with a dynamic batch holds one graph for every row count, not one per
-    side of the threshold."""
-    n, k = q.shape
-    if x.shape[0] < _int8_gemm_min_rows(n):
-        return torch.ops.aten._weight_int8pack_mm(x, q, scale)
-    rows = max(64, _TILE_ELEMENTS // k)
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for start in range(0, n, rows):
-        out[:, start:start + rows] = F.linear(x, q[start:start + rows].to(x.dtype))
-    return out.mul_(scale)
-
-
 class Int8Weight(nn.Module):
     """An int8 per-channel weight (N, K) and its product ``x (..., K) -> (..., N)``.
 
     With llmserve's native kernel (:mod:`~llmserve.model.quant.native_int8`, the default
-    where it is available) every row count uses it. Otherwise: one row in a compiled graph is
-    a fused reduction; few rows use ``_weight_int8pack_mm`` (bandwidth-bound: one pass over
-    the int8 bytes); from :data:`INT8_GEMM_MIN_ROWS` rows on
-    (:data:`INT8_GEMM_MIN_ROWS_WIDE` for wide weights), bf16 tiles of the weight feed a
-    dense GEMM (:func:`int8_mm`).
+    where it is available) every row count uses it; otherwise PyTorch's
+    ``_weight_int8pack_mm`` does, in eager and compiled steps alike. Each sums a row the same
+    way at any row count, so neither a row's batch nor the step's path changes its product
+    (a dequantized bf16 GEMM for many rows and a fused reduction for one compiled row were
+    faster, about 2x on prefill chunks, but each summed in an order of its own).
 
     ``int8_activations`` packs for ``int8_a8_mm`` (rows quantized in blocks of 32, faster
     than the bf16 kernel: docs/BENCHMARKS.md) where it runs: K % 32 == 0 and the CPU tier's
@@ -400,13 +277,8 @@ class Int8Weight(nn.Module):
         x2 = as_kernel_input(x)
         if self.native:
             y = self._native_product(x2, False)
-        elif x2.shape[0] == 1 and torch.compiler.is_compiling():
-            # one row in a compiled graph: inductor fuses this into one reduction over the
-            # int8 bytes, faster than the pack kernel at the default model's LM head
-            # (docs/BENCHMARKS.md; the eager form would materialise an (N, K) float product)
-            y = ((self.qweight.float() * x2.float()).sum(-1) * self.scale.float()).unsqueeze(0)
         else:
-            y = int8_mm(x2, self.qweight, self.scale)
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
