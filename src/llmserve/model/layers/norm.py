@@ -16,7 +16,7 @@ opaque to inductor, so no graph can reorder a row's sum. Other devices keep ``F.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,18 @@ from llmserve.model.layers.cpu_kernels import cpu_op
 
 #: A rows norm: ``(x (T, n) with contiguous rows, weight (n,), eps) -> (T, n)``
 RowsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+#: The tier library's ``rms_norm`` operator (set once by :func:`rows_norm_kernel`)
+_NATIVE_NORM: Optional[Any] = None
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The CPU tier library's ``rms_norm`` (``csrc/portable/rms_norm.cpp``). A module holds
+    this function, not the operator: an operator object gains attributes as it is used, and
+    a saved graph's key includes what the model's modules hold (graph_store.py)."""
+    if _NATIVE_NORM is None:
+        raise RuntimeError("native_rms_norm needs rows_norm_kernel() to have found the library")
+    return _NATIVE_NORM(x, weight, eps)
 
 
 def _torch_rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,13 +77,15 @@ def rows_norm_kernel(dtype: torch.dtype, device: "torch.device | str | None") ->
     :func:`torch_rms_norm` on CPU, else ``F.rms_norm``'s rows form."""
     from llmserve.model.native.ops import kernel_checked, tier_ops
 
+    global _NATIVE_NORM
     if device is not None and torch.device(device).type != "cpu":
         return torch_free_rms_norm
     ops = tier_ops() if dtype in (torch.bfloat16, torch.float32) else None
     if ops is not None:
-        native: RowsNorm = ops.rms_norm
-        if kernel_checked("rms_norm", lambda: _self_test(native), library=lambda: True):
-            return native
+        if _NATIVE_NORM is None:
+            _NATIVE_NORM = ops.rms_norm
+        if kernel_checked("rms_norm", lambda: _self_test(native_rms_norm), library=lambda: True):
+            return native_rms_norm
     return torch_rms_norm
 
 
@@ -84,11 +98,11 @@ def rows_norm_name(fn: RowsNorm) -> str:
     """How the kernel plan names a rows norm."""
     if fn is torch_rms_norm:
         return "torch rms_norm (one op on every path)"
-    if fn is torch_free_rms_norm:
-        return "torch rms_norm"
-    from llmserve.model.native.ops import tier_library
+    if fn is native_rms_norm:
+        from llmserve.model.native.ops import tier_library
 
-    return f"native rms_norm ({tier_library()})"
+        return f"native rms_norm ({tier_library()})"
+    return "torch rms_norm"
 
 
 class RMSNorm(nn.Module):

@@ -1,21 +1,25 @@
 // RMSNorm of rows, one summation order for every row count: <library>::rms_norm.
 //
-//   y[t, i] = round( (x[t, i] * r[t]) * w[i] ),   r[t] = 1 / sqrt(sum_i x[t, i]^2 / n + eps)
+//   y[t, i] = round( (x[t, i] * r[t]) * w[i] ),
+//   r[t] = 1 / sqrt(float(sum_i x[t, i]^2 / n) + eps)
 //
 // in float32, rounded once to the input's dtype (bf16 or float32): the operations of
-// PyTorch's `F.rms_norm`. Only the order of the sum of squares is llmserve's own, and it
-// is fixed: element i goes to accumulator i mod 16, each accumulator adds its elements in
-// column order, then the 16 are added pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1). A row's bits
-// therefore do not depend on how many rows share the call, on the thread split, or on the
-// path that calls it (the compiled decode and verify steps, eager prefill chunks): inductor
-// and ATen each pick a reduction order per graph and shape, and a row normed in a step of
-// 64 or more rows came out a few ulp apart from the same row normed alone, enough to flip
-// a greedy token (tests/model/test_batch_invariance.py).
+// PyTorch's `F.rms_norm`, except that the mean of squares is summed in float64 (then
+// rounded to float32), in a fixed order: element i goes to accumulator i mod 16, each
+// accumulator adds its elements in column order, then the 16 are added pairwise (8 + 8,
+// 4 + 4, 2 + 2, 1 + 1). A row's bits therefore do not depend on how many rows share the
+// call, on the thread split, or on the path that calls it (the compiled decode and verify
+// steps, eager prefill chunks): inductor and ATen each pick a float32 reduction order per
+// graph and shape, and a row normed in a step of 64 or more rows came out a few ulp apart
+// from the same row normed alone, enough to flip a greedy token
+// (tests/model/test_batch_invariance.py). The float64 sum is the nearest to the exact mean:
+// a float32 sum in one fixed order or another moved the default model's quality-gate
+// perplexity between +0.3% and +0.9% of fp32's (docs/BENCHMARKS.md); a norm is a small
+// part of a step, and the wider sum costs nothing measurable there.
 //
 // Plain C++ without intrinsics and without contracted multiply-adds: the compiler
-// vectorizes the 16 accumulators for the library's CPU tier (one zmm register, two ymm),
-// and every tier computes the same bits. Built into each tier's library; LLMSERVE_LIBRARY
-// names the operator namespace.
+// vectorizes the 16 accumulators for the library's CPU tier, and every tier computes the
+// same bits. Built into each tier's library; LLMSERVE_LIBRARY names the operator namespace.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -56,22 +60,23 @@ inline float narrow(float f, float) { return f; }
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, T* y,
                                                            int64_t n, float eps) {
-  float acc[kLanes] = {};
+  double acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      const float v = widen(x[i + l]);
+      const double v = widen(x[i + l]);
       acc[l] += v * v;
     }
   }
   for (int l = 0; i + l < n; ++l) {   // the tail: the first lanes
-    const float v = widen(x[i + l]);
+    const double v = widen(x[i + l]);
     acc[l] += v * v;
   }
   for (int width = kLanes / 2; width >= 1; width /= 2) {
     for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
   }
-  const float r = 1.0f / std::sqrt(acc[0] / static_cast<float>(n) + eps);
+  const float mean = static_cast<float>(acc[0] / static_cast<double>(n));
+  const float r = 1.0f / std::sqrt(mean + eps);
   for (int64_t c = 0; c < n; ++c) y[c] = narrow((widen(x[c]) * r) * widen(w[c]), T{});
 }
 
