@@ -1,24 +1,22 @@
 """The paged backend: decodes read the paged KV cache in place.
 
-All decode rows of a step form one batch over the widest block table among them. Inside the
-compiled step the scores and the weighted sum are written as reductions that index the cache
-through the slot table directly::
+All decode rows of a step form one batch over the widest block table among them. Where the
+CPU tier's native kernel is loaded (bf16 query and cache), decodes use it, compiled or eager
+(:mod:`~llmserve.model.attention.native_decode`): it reads each K and V row where it lives
+through the slot table. A compiled verify step (``Q`` rows per sequence: a decode with its
+drafts) runs each of its rows as the decode at that position (the same sums as a plain
+decode, so speculation does not change a greedy token), and prefill chunks run one
+decode-like row per query against its own causal keys (:func:`_native_prefill_rows`),
+faster than SDPA with a mask on these shapes (docs/BENCHMARKS.md).
 
-    s[b, l, h, g] = sum_d q[b, h, g, d] * K[slot[b, l], h, d]      (l < ctx[b], else -inf)
-    o[b, h, g, d] = sum_l softmax_l(s)[b, l, h, g] * V[slot[b, l], h, d]
+Without the native kernel (the none tier, a quantized or float32 KV cache) decode rows
+gather their blocks and call SDPA (:func:`torch_decode_attention`, one op whether the step
+is compiled or eager, so a row attends the same way in both), prefill chunks take the
+reference backend's grouped gather + SDPA, and a compiled verify step writes the attention
+as reductions inductor turns into loops over the cache (:func:`paged_verify_inplace`)::
 
-so inductor emits loops that load K and V rows where they live: no per-layer copy of any
-sequence's context. Where llmserve's native kernel is loaded (bf16 query and cache), decodes
-use it instead, compiled or eager (:mod:`~llmserve.model.attention.native_decode`). A
-compiled verify step (``Q`` rows per sequence: a decode with its drafts) adds the query
-axis, each row masked to the keys at or before its position; with the native kernel each
-of its rows runs as the decode at that position (the same sums as a plain decode, so
-speculation does not change a greedy token). Run eagerly, the same
-formulation would materialise a G-times larger product, so eager steps without the native
-kernel gather the blocks (one contiguous copy) and call SDPA. Prefill chunks use the
-reference backend's grouped gather + SDPA, or, with the native kernel, one decode-like row
-per query against its own causal keys (:func:`_native_prefill_rows`). This made prefills of
-the default model faster: SDPA with a mask runs slowly on these shapes (docs/BENCHMARKS.md).
+    s[b, q, l, h, g] = sum_d q[b, q, h, g, d] * K[slot[b, l], h, d]  (l <= pos[b, q], else -inf)
+    o[b, q, h, g, d] = sum_l softmax_l(s)[b, q, l, h, g] * V[slot[b, l], h, d]
 """
 from __future__ import annotations
 

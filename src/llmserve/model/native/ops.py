@@ -304,12 +304,10 @@ def a8_ops() -> "Any | None":
     ``int8_a8_mm`` on this CPU tier: ``torch.ops.llmserve_native`` (AVX512-VNNI),
     ``torch.ops.llmserve_avx2`` (AVX2 + FMA, the same layouts and results), or None.
     Decided once per process, so a product pays no check per call."""
-    if "a8_ops" not in _a8_ops:
-        if cpu_tier() == "avx2":
-            _a8_ops["a8_ops"] = torch.ops.llmserve_avx2 if avx2_available() else None
-        else:
-            _a8_ops["a8_ops"] = torch.ops.llmserve_native if native_available() and \
-                a8_supported() else None
+    if "a8_ops" not in _a8_ops:   # every avx2 library has them; AVX-512 needs VNNI
+        ops = tier_ops()
+        _a8_ops["a8_ops"] = ops if ops is not None and (
+            cpu_tier() == "avx2" or a8_supported()) else None
     return _a8_ops["a8_ops"]
 
 
@@ -333,9 +331,7 @@ def tier_library() -> "str | None":
 def a8_library() -> "str | None":
     """The name of the library :func:`a8_ops` serves (``llmserve_native``,
     ``llmserve_avx2``), or None; for the kernel plan."""
-    ops = a8_ops()
-    return None if ops is None else ("llmserve_avx2" if cpu_tier() == "avx2"
-                                     else "llmserve_native")
+    return None if a8_ops() is None else tier_library()
 
 
 def kernel_checked(name: str, self_test: Callable[[], bool],
