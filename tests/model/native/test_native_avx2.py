@@ -100,18 +100,21 @@ def test_int8_a8_matches_reference_and_the_avx512_kernel(avx2, rows, float_out):
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (14, 2, 64), (8, 1, 16)])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_paged_decode_follows_the_reference_and_keeps_each_rows_bits(avx2, heads, kv_heads, d,
-                                                                      softcap):
+                                                                      softcap, dtype):
     """The avx2 tier's decode attention against the compiled formulation's float32 math
     (one query row per sequence, masked keys, a row with no valid key, a context past
-    several 8-key vectors), and each row's bits the same alone, in any batch, and
+    several 8-key vectors; bf16 and float32, the dtype of a model on a CPU without native
+    bf16), and each row's bits the same alone, in any batch, and
     with its table padded wider (the row count picks the thread split, never the sums)."""
     from llmserve.model.attention.paged import paged_decode_inplace
 
     gen = torch.Generator().manual_seed(heads * 100 + d)
-    kc = torch.randn(300, kv_heads, d, generator=gen).bfloat16()
-    vc = torch.randn(300, kv_heads, d, generator=gen).bfloat16()
-    q = torch.randn(7, heads, d, generator=gen).bfloat16()
+    kc = torch.randn(300, kv_heads, d, generator=gen).to(dtype)
+    vc = torch.randn(300, kv_heads, d, generator=gen).to(dtype)
+    q = torch.randn(7, heads, d, generator=gen).to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     slots = torch.randint(0, 300, (7, 90), generator=gen)
     lens = torch.tensor([90, 1, 33, 0, 64, 17, 89])
     valid = torch.arange(90).unsqueeze(0) < lens.unsqueeze(1)
@@ -125,10 +128,10 @@ def test_paged_decode_follows_the_reference_and_keeps_each_rows_bits(avx2, heads
     for i in range(7):
         alone = avx2.paged_decode(q[i:i + 1], kc, vc, slots[i:i + 1, :int(lens[i]) + 5],
                                   valid[i:i + 1, :int(lens[i]) + 5], scale, softcap)
-        assert torch.equal(alone.view(torch.int16), got[i:i + 1].view(torch.int16))
+        assert torch.equal(alone.view(bits), got[i:i + 1].view(bits))
     pairs = torch.cat([avx2.paged_decode(q[i:i + 2], kc, vc, slots[i:i + 2], valid[i:i + 2],
                                          scale, softcap) for i in range(0, 6, 2)])
-    assert torch.equal(pairs.view(torch.int16), got[:6].view(torch.int16))
+    assert torch.equal(pairs.view(bits), got[:6].view(bits))
 
 
 def test_operand_errors_are_clear(avx2):

@@ -39,17 +39,30 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return _PAGED_DECODE(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
 
 
+def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
+    """The query / cache dtypes the tier's kernel takes: bf16, and float32 on the avx2 tier
+    (a CPU without native bf16 runs float32 models)."""
+    from llmserve.model.native.ops import tier_library
+
+    if tier_library() == "llmserve_avx2":
+        return (torch.bfloat16, torch.float32)
+    return (torch.bfloat16,)
+
+
 def _self_test() -> bool:
     from llmserve.model.attention.paged import paged_decode_inplace
     gen = torch.Generator().manual_seed(0)
-    kc = torch.randn(64, 2, 64, generator=gen).bfloat16()
-    vc = torch.randn(64, 2, 64, generator=gen).bfloat16()
-    q = torch.randn(3, 6, 64, generator=gen).bfloat16()
-    slots = torch.randint(0, 64, (3, 20), generator=gen)
-    valid = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [7], [1]])
-    ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125).float()
-    got = paged_decode_native(q, kc, vc, slots, valid, 0.125).float()
-    return bool(((got - ref).abs() <= 0.01).all())
+    for dtype in native_decode_dtypes():
+        kc = torch.randn(64, 2, 64, generator=gen).to(dtype)
+        vc = torch.randn(64, 2, 64, generator=gen).to(dtype)
+        q = torch.randn(3, 6, 64, generator=gen).to(dtype)
+        slots = torch.randint(0, 64, (3, 20), generator=gen)
+        valid = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [7], [1]])
+        ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125).float()
+        got = paged_decode_native(q, kc, vc, slots, valid, 0.125).float()
+        if not bool(((got - ref).abs() <= 0.01).all()):
+            return False
+    return True
 
 
 def native_decode_available() -> bool:

@@ -28,6 +28,7 @@ from llmserve.model.attention.backend import AttentionMetadata, GroupMetadata, S
 from llmserve.model.attention.native_decode import (
     kv_store_native,
     native_decode_available,
+    native_decode_dtypes,
     native_kv_store_available,
     paged_decode_native,
 )
@@ -135,10 +136,11 @@ class PagedBackend(ReferenceBackend):
                  device: Optional[torch.device] = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         # decided here, once, never inside a traced step (the first check builds and tests
-        # the kernel): it serves bf16 CPU queries over a bf16 cache, head sizes of 16k
-        self.native_decode = ((device is None or device.type == "cpu") and dtype == torch.bfloat16
-                              and kv_dtype == torch.bfloat16 and head_dim % 16 == 0
-                              and native_decode_available())
+        # the kernel): it serves CPU queries over a cache of their dtype (bf16; float32 too
+        # on the avx2 tier), head sizes of 16k
+        self.native_decode = ((device is None or device.type == "cpu") and dtype == kv_dtype
+                              and head_dim % 16 == 0 and native_decode_available()
+                              and dtype in native_decode_dtypes())
         # eager steps write their K/V rows by native row copies (compiled steps keep the
         # copy inductor fuses with the rotary embedding): the same bytes
         self.native_store = self.native_decode and native_kv_store_available()

@@ -1,6 +1,7 @@
 // Paged decode attention of the avx2 tier: llmserve_avx2::paged_decode, the contract of
-// ../paged_decode.cpp (q (B, H, D) bf16 against each row's cached K/V rows slots (B, L)
-// where valid (B, L) -> (B, H * D) bf16) on AVX2 + FMA.
+// ../paged_decode.cpp (q (B, H, D) against each row's cached K/V rows slots (B, L) where
+// valid (B, L) -> (B, H * D)) on AVX2 + FMA, for bf16 or float32 queries and caches (one
+// dtype for all three and the output): a CPU without native bf16 runs float32 models.
 //
 // Per query head, in this order, whatever the other rows of the call:
 //   s_l = scale * sum_c (q_c . k_c)  for each valid key l up to the row's last valid one,
@@ -33,6 +34,12 @@ namespace {
 using llmserve_avx2::load_bf16x8;
 using llmserve_avx2::store_bf16x8;
 
+// 8 values of a bf16 (uint16_t) or float32 row as floats, and back
+inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(uint16_t* p, __m256 v) { store_bf16x8(p, v); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
 // The eight lanes added pairwise: (0..3) + (4..7), then (0,1) + (2,3), then 0 + 1.
 inline float sum_lanes8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -61,18 +68,19 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), low);
 }
 
-// One query row's heads [head0, head0 + heads) (KV heads from kv0 on, `group` query heads
-// each) against its first `len` keys. `d` is a multiple of 8.
-void decode_heads(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                  const int64_t* slots, const bool* valid, int64_t len, int64_t heads,
-                  int64_t group, int64_t d, int64_t row_stride, float scale, float softcap,
-                  uint16_t* out, std::vector<float>& buf) {
+// One query row's `heads` heads (`group` query heads a KV head) against its first `len`
+// keys. `d` is a multiple of 8; T is the dtype of q, the caches and the output.
+template <typename T>
+void decode_heads(const T* q, const T* kc, const T* vc, const int64_t* slots,
+                  const bool* valid, int64_t len, int64_t heads, int64_t group, int64_t d,
+                  int64_t row_stride, float scale, float softcap, T* out,
+                  std::vector<float>& buf) {
   const int64_t padded = (len + 7) / 8 * 8;
   buf.assign(static_cast<size_t>(heads * (padded + 2 * d)), 0.f);
   float* scores = buf.data();                  // (heads, padded)
   float* qf = scores + heads * padded;         // (heads, d)
   float* sums = qf + heads * d;                // (heads, d)
-  for (int64_t i = 0; i < heads * d; i += 8) _mm256_storeu_ps(qf + i, load_bf16x8(q + i));
+  for (int64_t i = 0; i < heads * d; i += 8) _mm256_storeu_ps(qf + i, load8(q + i));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<float> peak(static_cast<size_t>(heads), neg_inf);
   for (int64_t l = 0; l < padded; ++l) {
@@ -81,12 +89,12 @@ void decode_heads(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
       for (int64_t h = 0; h < heads; ++h) scores[h * padded + l] = neg_inf;
       continue;
     }
-    const uint16_t* krow = kc + slots[l] * row_stride;
+    const T* krow = kc + slots[l] * row_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const uint16_t* k = krow + (h / group) * d;
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qf + h * d), load_bf16x8(k));
+      const T* k = krow + (h / group) * d;
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qf + h * d), load8(k));
       for (int64_t c = 8; c < d; c += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + c), load_bf16x8(k + c), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + c), load8(k + c), acc);
       float s = sum_lanes8(acc) * scale;
       if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
       scores[h * padded + l] = s;
@@ -115,15 +123,15 @@ void decode_heads(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
     // p * V by key, in key order (masked keys were skipped in the scores and add nothing)
     for (int64_t l = 0; l < len; ++l) {
       if (!valid[l]) continue;
-      const uint16_t* v = vc + slots[l] * row_stride + (h / group) * d;
+      const T* v = vc + slots[l] * row_stride + (h / group) * d;
       const __m256 p = _mm256_set1_ps(s[l]);
       for (int64_t c = 0; c < d; c += 8)
-        _mm256_storeu_ps(sums + h * d + c, _mm256_fmadd_ps(p, load_bf16x8(v + c),
+        _mm256_storeu_ps(sums + h * d + c, _mm256_fmadd_ps(p, load8(v + c),
                                                            _mm256_loadu_ps(sums + h * d + c)));
     }
     const __m256 vinv = _mm256_set1_ps(inv);
     for (int64_t c = 0; c < d; c += 8)
-      store_bf16x8(out + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(sums + h * d + c), vinv));
+      store8(out + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(sums + h * d + c), vinv));
   }
 }
 
@@ -133,15 +141,41 @@ int64_t valid_length(const bool* row, int64_t len) {
   return len;
 }
 
+template <typename T>
+void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& slots, const at::Tensor& valid, float scale, float softcap,
+                 at::Tensor& out) {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  const int64_t len = slots.size(1), group = h / hkv, row_stride = hkv * d;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const bool* mp = valid.data_ptr<bool>();
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t per_row = b < 2 * at::get_num_threads() ? hkv : 1;
+  at::parallel_for(0, b * per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / per_row, kvh = per_row == 1 ? 0 : t % per_row;
+      const int64_t head = i * h + kvh * group, kv_offset = kvh * d;
+      decode_heads<T>(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len,
+                      mp + i * len, valid_length(mp + i * len, len), per_row == 1 ? h : group,
+                      group, d, row_stride, scale, softcap, op + head * d, buf);
+    }
+  });
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& valid, double scale,
                         double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16,
-              "paged_decode: q must be (B, H, D) bf16");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "paged_decode: q must be (B, H, D) bf16 or float32");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
                   k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: caches must be contiguous (slots, Hkv, D) bf16 of one shape");
+              "paged_decode: caches must be contiguous (slots, Hkv, D) of q's dtype, one shape");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && d % 16 == 0, "paged_decode: head size ", d,
               " must match the cache and be a multiple of 16");
@@ -152,25 +186,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), vm = valid.contiguous();
   at::Tensor out = at::empty({b, h * d}, q.options());
   if (b == 0) return out;
-  const int64_t len = sc.size(1), group = h / hkv, row_stride = hkv * d;
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  const bool* mp = vm.data_ptr<bool>();
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t per_row = b < 2 * at::get_num_threads() ? hkv : 1;
-  at::parallel_for(0, b * per_row, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / per_row, kvh = per_row == 1 ? 0 : t % per_row;
-      const int64_t head = i * h + kvh * group, kv_offset = kvh * d;
-      decode_heads(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
-                   valid_length(mp + i * len, len), per_row == 1 ? h : group, group, d,
-                   row_stride, static_cast<float>(scale), static_cast<float>(softcap),
-                   op + head * d, buf);
-    }
-  });
+  if (dtype == at::kBFloat16) {
+    decode_rows<uint16_t>(qc, k_cache, v_cache, sc, vm, static_cast<float>(scale),
+                          static_cast<float>(softcap), out);
+  } else {
+    decode_rows<float>(qc, k_cache, v_cache, sc, vm, static_cast<float>(scale),
+                       static_cast<float>(softcap), out);
+  }
   return out;
 }
 
