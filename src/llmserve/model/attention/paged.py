@@ -9,11 +9,13 @@ decode, so speculation does not change a greedy token), and prefill chunks run o
 decode-like row per query against its own causal keys (:func:`_native_prefill_rows`),
 faster than SDPA with a mask on these shapes (docs/BENCHMARKS.md).
 
-Without the native kernel (the none tier, a quantized or float32 KV cache) decode rows
-gather their blocks and call SDPA (:func:`torch_decode_attention`, one op whether the step
-is compiled or eager, so a row attends the same way in both), prefill chunks take the
-reference backend's grouped gather + SDPA, and a compiled verify step writes the attention
-as reductions inductor turns into loops over the cache (:func:`paged_verify_inplace`)::
+Without the native kernel (the none tier, a quantized or float32 KV cache) eager decode rows
+gather their blocks and call SDPA (:func:`torch_decode_attention`), and prefill chunks take
+the reference backend's grouped gather + SDPA. On the none tier compiled decodes call the
+same op, so a row attends alike in both; where the tier has a library (an int8 or float32
+cache beside its bf16 kernels) compiled decode and verify steps write the attention as
+reductions inductor turns into loops over the cache (:func:`paged_decode_inplace`,
+:func:`paged_verify_inplace`), faster but summed in inductor's order::
 
     s[b, q, l, h, g] = sum_d q[b, q, h, g, d] * K[slot[b, l], h, d]  (l <= pos[b, q], else -inf)
     o[b, q, h, g, d] = sum_l softmax_l(s)[b, q, l, h, g] * V[slot[b, l], h, d]
@@ -34,6 +36,7 @@ from llmserve.model.attention.native_decode import (
 )
 from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
 from llmserve.model.layers.cpu_kernels import cpu_op
+from llmserve.model.native.ops import tier_ops
 from llmserve.model.quant.kv import load_kv
 
 
@@ -144,6 +147,12 @@ class PagedBackend(ReferenceBackend):
         # eager steps write their K/V rows by native row copies (compiled steps keep the
         # copy inductor fuses with the rotary embedding): the same bytes
         self.native_store = self.native_decode and native_kv_store_available()
+        # without the kernel, compiled decodes attend by inductor's loops where the tier has
+        # a library (an int8 or float32 KV cache beside bf16 kernels: 1.3-1.7x faster steps
+        # at c=32-64 than the eager op, but a decode may then differ from the same row in
+        # a mixed eager step), and by the eager gather + SDPA op on the none tier, whose
+        # point is the exact fallback
+        self.inductor_decode = not self.native_decode and tier_ops() is not None
 
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
         nd = batch.num_decodes
@@ -218,7 +227,10 @@ class PagedBackend(ReferenceBackend):
             elif self.native_decode:
                 outs.append(paged_decode_native(qd, k_cache, v_cache, meta.decode_slots,
                                                 valid, scale, softcap))
-            else:   # compiled or eager: one opaque op, the eager steps' gather + SDPA
+            elif self.inductor_decode and torch.compiler.is_compiling():
+                outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
+                                                 valid, scale, softcap))
+            else:   # eager, or compiled without a library: the eager steps' gather + SDPA
                 outs.append(torch_decode_attention(qd, k_cache, v_cache,
                                                    meta.decode_block_tables, valid,
                                                    meta.block_size, scale, softcap or 0.0))
