@@ -25,7 +25,7 @@ import torch
 
 from llmserve.model.native.ops import kernel_checked, tier_ops
 
-#: The tier library's ``paged_decode`` (set by :func:`native_decode_available`)
+#: The tier library's ``paged_decode`` (looked up by :func:`_decode_op`)
 _PAGED_DECODE: "Any | None" = None
 
 
@@ -34,9 +34,18 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: Optional[float] = None) -> torch.Tensor:
     """``q (B, H, D)`` against cached rows ``slots (B, L)`` where ``valid (B, L)`` ->
     ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`."""
+    return _decode_op()(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
+
+
+def _decode_op() -> Any:
+    """This CPU tier's ``paged_decode`` operator, looked up once."""
+    global _PAGED_DECODE
     if _PAGED_DECODE is None:
-        raise RuntimeError("paged_decode_native needs native_decode_available() to be true")
-    return _PAGED_DECODE(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
+        ops = tier_ops()
+        if ops is None:
+            raise RuntimeError("paged_decode_native: no native library on this CPU tier")
+        _PAGED_DECODE = ops.paged_decode
+    return _PAGED_DECODE
 
 
 def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
@@ -68,11 +77,7 @@ def _self_test() -> bool:
 def native_decode_available() -> bool:
     """This CPU tier's library is loaded and its decode attention checks out (once per
     process)."""
-    global _PAGED_DECODE
-    ops = tier_ops()
-    if ops is not None and _PAGED_DECODE is None:
-        _PAGED_DECODE = ops.paged_decode
-    return kernel_checked("paged_decode", _self_test, library=lambda: ops is not None)
+    return kernel_checked("paged_decode", _self_test, library=lambda: tier_ops() is not None)
 
 
 
