@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "decode_operands.h"
 #include "decode_rows.h"
 
 #include <immintrin.h>
@@ -288,19 +289,8 @@ RowFn fixed_kernel(int64_t d, int64_t g) {
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& valid, double scale,
                         double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16,
-              "paged_decode: q must be (B, H, D) bf16");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-                  k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: caches must be contiguous (slots, Hkv, D) bf16 of one shape");
+  llmserve_native::check_decode_operands(q, k_cache, v_cache, slots, valid, false);
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == d && d % 16 == 0, "paged_decode: head size ", d,
-              " must match the cache and be a multiple of 16");
-  TORCH_CHECK(hkv > 0 && h % hkv == 0, "paged_decode: ", h, " heads over ", hkv, " KV heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && valid.scalar_type() == at::kBool &&
-                  slots.dim() == 2 && slots.sizes() == valid.sizes() && slots.size(0) == b,
-              "paged_decode: slots (B, L) int64 and valid (B, L) bool expected");
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), vm = valid.contiguous();
   at::Tensor out = at::empty({b, h * d}, q.options());
   const int64_t len = sc.size(1), g_heads = h / hkv;

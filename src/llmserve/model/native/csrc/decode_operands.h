@@ -1,0 +1,31 @@
+// Operand checks shared by the paged decode kernels (paged_decode.cpp, avx2/paged_decode_avx2.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace llmserve_native {
+
+// q (B, H, D) of `dtype` (bf16, or float32 where `float_ok`); k_cache and v_cache contiguous
+// (slots, Hkv, D) of q's dtype and one shape, D a multiple of 16 and H a multiple of Hkv;
+// slots (B, L) int64 and valid (B, L) bool.
+inline void check_decode_operands(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& slots,
+                                  const at::Tensor& valid, bool float_ok) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dtype == at::kBFloat16 || (float_ok && dtype == at::kFloat)),
+              "paged_decode: q must be (B, H, D) ", float_ok ? "bf16 or float32" : "bf16");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                  k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: caches must be contiguous (slots, Hkv, D) of q's dtype, one shape");
+  const int64_t h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d && d % 16 == 0, "paged_decode: head size ", d,
+              " must match the cache and be a multiple of 16");
+  TORCH_CHECK(hkv > 0 && h % hkv == 0, "paged_decode: ", h, " heads over ", hkv, " KV heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && valid.scalar_type() == at::kBool &&
+                  slots.dim() == 2 && slots.sizes() == valid.sizes() &&
+                  slots.size(0) == q.size(0),
+              "paged_decode: slots (B, L) int64 and valid (B, L) bool expected");
+}
+
+}  // namespace llmserve_native
