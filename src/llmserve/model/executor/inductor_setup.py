@@ -53,6 +53,10 @@ def configure_inductor() -> None:
 
     inductor_config.fx_graph_cache = True
     inductor_config.emulate_precision_casts = not env_flag("LLMSERVE_FAST_ROUNDING")
+    # the generated wrapper checked the size and stride of every input and custom-op output
+    # at every call (~600 checks, ~0.2 ms of a 4 ms batch-1 step); the saved graphs' guards
+    # and the ops' own operand checks already cover what reaches the kernels
+    inductor_config.size_asserts = False
     try:
         import torch._functorch.config as functorch_config
 

@@ -61,7 +61,8 @@ HEADERS = sorted(CSRC.glob("*.h"))
 AVX2_SOURCES = sorted((CSRC / "avx2").glob("*.cpp")) + PORTABLE_SOURCES
 AVX2_HEADERS = sorted((CSRC / "avx2").glob("*.h")) + [CSRC / "int4_operands.h",
                                                       CSRC / "int8_operands.h",
-                                                      CSRC / "decode_operands.h"]
+                                                      CSRC / "decode_operands.h",
+                                                      CSRC / "row_scratch.h"]
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 #: CPU tiers, lowest first, and the flags each needs (cpuinfo names)
 CPU_TIERS: "dict[str, frozenset[str]]" = {

@@ -29,6 +29,7 @@
 
 #include "int4_operands.h"
 #include "int8_rows.h"
+#include "row_scratch.h"
 
 #include <immintrin.h>
 
@@ -189,10 +190,8 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed,
   const int64_t n = strips * kStrip;
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  at::Tensor codes_t = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor stats_t = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
-  int8_t* xq = codes_t.data_ptr<int8_t>();
-  float* xs = stats_t.data_ptr<float>();
+  int8_t* xq = llmserve_native::row_scratch<int8_t>(0, rows * k);
+  float* xs = llmserve_native::row_scratch<float>(1, 2 * rows * blocks);
   float* xt = xs + rows * blocks;
   llmserve_native::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq,
                                  xs, xt);

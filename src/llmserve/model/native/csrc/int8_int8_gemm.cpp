@@ -27,6 +27,7 @@
 #include "int8_operands.h"
 #include "int8_rows.h"
 #include "next_strip_prefetch.h"
+#include "row_scratch.h"
 
 #include <immintrin.h>
 
@@ -107,12 +108,9 @@ at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
   const int64_t n = strips * kStrip, blocks = k / kQuantBlock;
   at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return y;
-  at::Tensor codes_t = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor scales_t = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
-  at::Tensor sums_t = at::empty({rows, blocks}, x.options().dtype(at::kInt));
-  int8_t* xq = codes_t.data_ptr<int8_t>();
-  float* xs = scales_t.data_ptr<float>();
-  int32_t* xsum = sums_t.data_ptr<int32_t>();
+  int8_t* xq = llmserve_native::row_scratch<int8_t>(0, rows * k);
+  float* xs = llmserve_native::row_scratch<float>(1, rows * blocks);
+  int32_t* xsum = llmserve_native::row_scratch<int32_t>(2, rows * blocks);
   llmserve_native::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq,
                                  xs, nullptr, xsum);
   const uint8_t* wp = packed.data_ptr<uint8_t>();

@@ -42,6 +42,7 @@
 #include "next_strip_prefetch.h"
 #include "qblock_dots.h"
 #include "qblock_rows.h"
+#include "row_scratch.h"
 
 #include <immintrin.h>
 
@@ -277,13 +278,10 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t n = strips * kStrip;
   at::Tensor y = at::empty({rows, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return y;
-  at::Tensor codes_t = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor stats_t = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
-  at::Tensor halves_t = at::empty({rows, blocks, 3}, x.options().dtype(at::kInt));
-  int8_t* xq = codes_t.data_ptr<int8_t>();
-  float* xs = stats_t.data_ptr<float>();
+  int8_t* xq = llmserve_native::row_scratch<int8_t>(0, rows * k);
+  float* xs = llmserve_native::row_scratch<float>(1, 2 * rows * blocks);
   float* xt = xs + rows * blocks;
-  int32_t* xh = halves_t.data_ptr<int32_t>();
+  int32_t* xh = llmserve_native::row_scratch<int32_t>(2, rows * blocks * 3);
   int32_t* xsum = xh + rows * blocks * 2;
   llmserve_native::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq,
                                  xs, xt, mode == kF16S ? xsum : nullptr,
