@@ -213,14 +213,20 @@ class PagedBackend(ReferenceBackend):
             qd = q[:nd]
             valid = meta.decode_valid_for(window)
             if meta.decode_positions is not None:   # compiled verify step
+                b, nq, length = valid.shape
                 if self.native_decode:
                     # each query row as the decode at its position: the kernel (and the
                     # order of its sums) of a plain decode, so verifying a draft gives the
                     # logits decoding it would
-                    b, nq, length = valid.shape
                     outs.append(paged_decode_native(
                         qd, k_cache, v_cache, meta.decode_slots.repeat_interleave(nq, dim=0),
                         valid.reshape(b * nq, length), scale, softcap))
+                elif not self.inductor_decode:
+                    # the none tier: each row through the op its plain decode calls
+                    outs.append(torch_decode_attention(
+                        qd, k_cache, v_cache,
+                        meta.decode_block_tables.repeat_interleave(nq, dim=0),
+                        valid.reshape(b * nq, length), meta.block_size, scale, softcap or 0.0))
                 else:
                     outs.append(paged_verify_inplace(qd, k_cache, v_cache, meta.decode_slots,
                                                      valid, scale, softcap))
