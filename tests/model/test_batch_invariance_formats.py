@@ -164,11 +164,13 @@ long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 plain = [run(llm, [p], long) for p in TARGETS[:3]]
 spec = LLM(sys.argv[1], quantization="auto", num_kv_blocks=512, block_size=16, dtype=dtype,
            enforce_eager=False, enable_prefix_caching=False, speculative_method="suffix",
-           num_speculative_tokens=3)
+           num_speculative_tokens=3, speculative_adaptive=False)
 first = run(spec, TARGETS[:3], long)
 before = spec.engine.get_stats().spec_accepted_tokens_total
 drafted = run(spec, TARGETS[:3], long)
 torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled is not None,
+            "dtype": plan["dtype"], "head": plan["lm_head"], "linears": plan["linear"],
+            "f32": plan["native_kernels"].get("f32"),
             "alone": ([a[0][0] for a in alone], [a[1][0] for a in alone]),
             "batched": (batched[0][:4], batched[1][:4]), "first": first, "drafted": drafted,
             "chunked": (chunked[0][:4], chunked[1][:4]),
@@ -179,25 +181,28 @@ torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled 
 
 
 @pytest.mark.parametrize("tier,quant,dtype", [("avx2", "Q6_K", "auto"),
+                                              ("avx2", "dense", "auto"),
                                               ("none", "Q4_1", "bfloat16")])
 def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp_path, tier,
                                                                             quant, dtype):
     """The same check on a forced lower tier (``LLMSERVE_CPU_ISA``, a fresh process: the
-    tier is chosen once at start-up), compiled graphs on: avx2 (its own int8-activation
-    products, decode attention and norm) for a Q6_K file, ``--dtype auto``, also with suffix
-    drafts verified (issue 32: exact on every tier); none (PyTorch's int4 product at every
-    row count, decode attention through one op) for a Q4_1 file in bf16. Not covered on the
-    none tier (docs/ARCHITECTURE.md, invariants): a compiled verify step there still attends
-    by inductor's loops, and ``--dtype auto`` gives float32 dense weights, whose GEMMs are
-    PyTorch's own."""
+    tier is chosen once at start-up), compiled graphs on, also with suffix drafts verified
+    (issue 32: exact on every tier): avx2 (its own int8-activation products, decode
+    attention and norm) for a Q6_K file and for a dense checkpoint, both ``--dtype auto``
+    (float32 on this tier: the dense linears run the library's ``f32_mm``, PyTorch's
+    float32 GEMM sums by the row count); none (PyTorch's int4 product at every row count,
+    decode and verified rows through one attention op) for a Q4_1 file in bf16. Not covered
+    on the none tier (docs/ARCHITECTURE.md, invariants): float32 dense weights, whose GEMMs
+    are PyTorch's own."""
     import os
     import subprocess
     import sys
 
     hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=256, intermediate=512,
-                              num_heads=4, num_kv_heads=2, seed=19)
-    path = make_tiny_gguf(hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant,
-                          with_tokenizer=True)
+                              num_heads=4, num_kv_heads=2, seed=19,
+                              tie=quant == "dense")
+    path = hf if quant == "dense" else make_tiny_gguf(
+        hf, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant, with_tokenizer=True)
     out = tmp_path / "result.pt"
     env = dict(os.environ, LLMSERVE_CPU_ISA=tier)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -205,10 +210,12 @@ def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp
                    check=True, capture_output=True, text=True, timeout=600, cwd=repo)
     got = torch.load(out)
     assert got["tier"] == tier and got["compiled"]
+    if quant == "dense":   # float32 weights through the library's float32 product
+        assert got["dtype"] == "float32" and got["head"] == "tied:f32_mm", got["head"]
+        assert got["linears"] == {"dense": 4 * 2} and got["f32"]
     what = f"{tier} tier, {quant}"
     assert_same(got["alone"], got["batched"], f"{what}: batch of 64")
     assert_same(got["alone"], got["chunked"], f"{what}: chunks of 16 tokens")
-    if tier == "avx2":
-        assert got["accepted"] > 0    # the second pass verified drafts and kept some
-        assert_same(got["plain"], got["first"], f"{what}: suffix speculation on")
-        assert_same(got["plain"], got["drafted"], f"{what}: with suffix drafts")
+    assert got["accepted"] > 0    # the second pass verified drafts and kept some
+    assert_same(got["plain"], got["first"], f"{what}: suffix speculation on")
+    assert_same(got["plain"], got["drafted"], f"{what}: with suffix drafts")

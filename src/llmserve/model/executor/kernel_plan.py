@@ -17,6 +17,7 @@ from torch import nn
 
 from llmserve.model.layers.activation import GATED_ACTIVATIONS, native_silu_mul
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
+from llmserve.model.layers.native_dense import native_product_name
 from llmserve.model.layers.norm import RMSNorm, rows_norm_name
 from llmserve.model.native.ops import a8_library, cpu_tier, self_test_results
 from llmserve.model.platform import cpu_flags
@@ -31,7 +32,7 @@ def _lm_head(head: LMHead) -> str:
     if head.linear is not None:
         return f"linear:{getattr(head.linear, 'qformat', None) or 'dense'}"
     if head.native_head is not None:
-        return "tied:bf16_mm"
+        return f"tied:{native_product_name(head.native_head)}"
     if head.packed_id is not None:
         return "tied:onednn-prepacked"
     tied = head.tied

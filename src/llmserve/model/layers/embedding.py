@@ -23,7 +23,7 @@ from torch import nn
 
 from llmserve.model.layers import cpu_kernels
 from llmserve.model.layers.linear import Linear, LinearMethod
-from llmserve.model.layers.native_dense import bf16_mm, can_pack_native, pack_bf16
+from llmserve.model.layers.native_dense import can_pack_native, native_mm, pack_native
 from llmserve.model.loading.gguf import RawGGUFTensor
 
 _QUANT_CHUNK_ROWS = 4096
@@ -127,7 +127,7 @@ class LMHead(nn.Module):
         if self.linear is not None or self.tied.weight is None or not prepack:
             return
         if can_pack_native(self.tied.weight.data):
-            self.native_head = pack_bf16(self.tied.weight.data)
+            self.native_head = pack_native(self.tied.weight.data)
         elif cpu_kernels.can_prepack(self.tied.weight):
             self.packed_id = cpu_kernels.prepack_linear(self.tied.weight.data)
 
@@ -144,7 +144,7 @@ class LMHead(nn.Module):
         if self.linear is not None:
             return self.linear(x).float()
         if self.native_head is not None:
-            return bf16_mm(x, self.native_head, self.vocab_size, float_out=True)
+            return native_mm(x, self.native_head, self.vocab_size, float_out=True)
         if self.packed_id is not None:
             return cpu_kernels.packed_linear(x, self.packed_id, self.vocab_size).float()
         if self.tied.qweight is not None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers import cpu_kernels
-from llmserve.model.layers.native_dense import bf16_mm, can_pack_native, pack_bf16
+from llmserve.model.layers.native_dense import can_pack_native, native_mm, pack_native
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,11 @@ def _shard_rows(layer: "Linear", shard: Optional[int]) -> tuple[int, int]:
 class DenseLinearMethod(LinearMethod):
     """Unquantized weights in the model dtype.
 
-    On CPU with bf16 weights the weight is repacked after loading for llmserve's native bf16
-    kernel (``native_dense``) where it is available, else into oneDNN's blocked layout
-    (``cpu_kernels``); both multiply at a higher share of the memory bandwidth than
+    On CPU the weight is repacked after loading for llmserve's native products
+    (``native_dense``) where they are available: bf16 for the bf16 kernel, float32 for the
+    tier library's ``f32_mm`` (one summation order at every row count, which PyTorch's
+    float32 GEMM does not keep); else a bf16 weight goes into oneDNN's blocked layout
+    (``cpu_kernels``). Each multiplies at a higher share of the memory bandwidth than
     ``F.linear`` on the plain layout, and the plain copy is then dropped.
     """
 
@@ -110,7 +112,7 @@ class DenseLinearMethod(LinearMethod):
         if w is None:   # already packed
             return
         if self.prepack and can_pack_native(w.data):
-            layer.native_weight = pack_bf16(w.data)
+            layer.native_weight = pack_native(w.data)
             layer.weight = None  # the native layout replaces it
         elif self.prepack and cpu_kernels.can_prepack(w):
             layer.packed_id = cpu_kernels.prepack_linear(w.data)
@@ -118,7 +120,7 @@ class DenseLinearMethod(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if layer.native_weight is not None:
-            y = bf16_mm(x, layer.native_weight, layer.output_size).to(x.dtype)
+            y = native_mm(x, layer.native_weight, layer.output_size).to(x.dtype)
         elif layer.packed_id is not None:
             y = cpu_kernels.packed_linear(x, layer.packed_id, layer.output_size)
         else:

@@ -211,6 +211,10 @@ def _fake_rotate_qk(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Ten
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+def _fake_f32_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
 def _fake_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -254,6 +258,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::rotate_qk")(_fake_rotate_qk)
             torch.library.register_fake("llmserve_native::kv_store")(_fake_kv_store)
             torch.library.register_fake("llmserve_native::rms_norm")(_fake_rms_norm)
+            torch.library.register_fake("llmserve_native::f32_mm")(_fake_f32_mm)
             _state["fakes"] = True
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's native CPU kernels are unavailable (%s): using PyTorch's",
@@ -286,6 +291,7 @@ def _load_avx2() -> bool:
         torch.library.register_fake("llmserve_avx2::int4_a8_mm")(_fake_int4_mm)
         torch.library.register_fake("llmserve_avx2::int8_a8_mm")(_fake_int8_mm)
         torch.library.register_fake("llmserve_avx2::rms_norm")(_fake_rms_norm)
+        torch.library.register_fake("llmserve_avx2::f32_mm")(_fake_f32_mm)
         torch.library.register_fake("llmserve_avx2::paged_decode")(_fake_paged_decode)
     except Exception as exc:  # noqa: BLE001 - any failure: keep PyTorch's kernels
         logger.warning("llmserve's avx2 kernels are unavailable (%s): using PyTorch's", exc)
