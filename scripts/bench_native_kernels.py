@@ -4,11 +4,13 @@
 
 Prints one line per case: the op, its shape, the time per call (the first quartile of
 ``--repeats`` calls after a warm-up; the cold attention cases: the median over 30 layers'
-caches read in turn) and, for the products, GFLOP/s. Side-by-side figures
+caches read in turn) and, for the products, GFLOP/s; the float32 dense product runs beside
+PyTorch's ``F.linear`` (``torch-linear``), and under ``LLMSERVE_CPU_ISA=avx2`` it is the only
+case (the avx2 library's build). Side-by-side figures
 for a change come from running this under the tree before and after it, alternated
 (``PYTHONPATH=<old tree>/src python scripts/bench_native_kernels.py``; the kernel cache is
-keyed by the sources, so both trees keep their own build). Exits 2 where the kernels are
-unavailable (no AVX512-BF16 or no compiler).
+keyed by the sources, so both trees keep their own build). Exits 2 where no kernel library
+loads (no AVX2 or no compiler).
 """
 from __future__ import annotations
 
@@ -128,6 +130,29 @@ def bf16_head_cases(repeats: int) -> list[dict]:
     return out
 
 
+def f32_cases(repeats: int) -> list[dict]:
+    """Dense float32 linears: the tier library's f32_mm (one summation order at every row
+    count) beside PyTorch's ``F.linear`` (op ``torch-linear``) on the same weights."""
+    import torch.nn.functional as F
+
+    from llmserve.model.layers.native_dense import f32_mm, native_f32_available, pack_f32
+    if not native_f32_available():
+        return []
+    out = []
+    for name, (k, n) in LINEARS.items():
+        w = torch.randn(n, k)
+        packed = pack_f32(w)
+        for rows in (1, 8, 32, 128, 512):
+            x = torch.randn(rows, k)
+            reps = repeats if rows <= 32 else max(3, repeats // 4)
+            for op, fn in (("f32_mm", lambda: f32_mm(x, packed, n)),
+                           ("torch-linear", lambda: F.linear(x, w))):
+                s = time_call(fn, reps)
+                out.append({"op": op, "case": f"{name} {k}x{n} float32", "rows": rows,
+                            "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9})
+    return out
+
+
 def attention_cases(repeats: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     slots_total = 65536
@@ -192,14 +217,16 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--repeats", type=int, default=40)
     args = p.parse_args(argv)
-    from llmserve.model.native.ops import native_available
-    if not native_available():
-        print("native kernels unavailable here (AVX512-BF16 and a C++ compiler needed)",
+    from llmserve.model.native.ops import cpu_tier, native_available, tier_ops
+    if tier_ops() is None:
+        print("native kernels unavailable here (AVX2 or AVX512-BF16, and a C++ compiler)",
               file=sys.stderr)
         return 2
-    rows = (int4_cases(args.repeats) + int4_step_cases(args.repeats) + head_cases(args.repeats)
-            + bf16_head_cases(args.repeats)
-            + attention_cases(args.repeats) + cold_attention_cases(args.repeats))
+    rows = f32_cases(args.repeats)   # every tier's library has f32_mm
+    if native_available() and cpu_tier() != "avx2":
+        rows += (int4_cases(args.repeats) + int4_step_cases(args.repeats)
+                 + head_cases(args.repeats) + bf16_head_cases(args.repeats)
+                 + attention_cases(args.repeats) + cold_attention_cases(args.repeats))
     print(f"torch threads: {torch.get_num_threads()}")
     for r in rows:
         flops = f"  {r['gflops']:6.0f} GFLOP/s" if "gflops" in r else ""

@@ -64,7 +64,7 @@ def test_packed_gguf_weights_equal_dequantized(tiny_q4, activations):
     assert dense.engine.runner.quantization == "linear:densex8;embedding:dense"
     dense_layers = linears(dense)
     for name, layer in linears(packed).items():
-        want = dense_layers[name].weight.float()
+        want = effective_weights(dense_layers[name])   # float32: packed for f32_mm, exact
         got = effective_weights(layer)
         assert got.shape == want.shape
         # exact int4 up to bf16 (fp16) scales and a bf16 output: within 1% of the layer's

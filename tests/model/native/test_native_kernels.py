@@ -399,7 +399,8 @@ def test_bench_native_kernels_script_prints_and_writes_figures(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     a8 = {"int4_a8_mm", "int8_a8_mm"} if native_int4_a8_available() else set()
-    assert {r["op"] for r in rows} == {"int4_mm", "int8_mm", "bf16_mm", "paged_decode"} | a8
+    assert {r["op"] for r in rows} == {"int4_mm", "int8_mm", "bf16_mm", "paged_decode", "f32_mm",
+                                       "torch-linear"} | a8
     assert all(r["us"] > 0 for r in rows)
     assert "paged_decode  prefill rows" in proc.stdout
 
