@@ -418,6 +418,7 @@ class AsyncLLM:
                 idle = False
                 if not engine.has_unfinished_requests():
                     self._audit_when_idle()
+                    engine.on_idle()
                 if engine.has_unfinished_requests():
                     try:
                         # a runner failure fails only its culprits (EngineCore isolates

@@ -338,6 +338,11 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
 
+    def on_idle(self) -> None:
+        """Called by a serving loop while no request runs: the executor's idle work (a
+        finished background compile's graphs load now, not in the next request's step)."""
+        self.executor.idle()
+
     def reset_prefix_cache(self, namespace: Optional[str] = None, *,
                            with_children: bool = False) -> int:
         """Forget cached prefixes: all, or one namespace's (``with_children``: and its

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -342,3 +343,26 @@ def test_a_thinking_budget_forces_the_close_marker_after_n_tokens(tiny_path):
         max_tokens=6, temperature=0.8, seed=3, ignore_eos=True,
         reasoning_budget=ReasoningBudget(0, end)))[0]
     assert tuple(zero.outputs[0].token_ids[:len(end)]) == end
+
+
+def test_an_idle_async_engine_does_its_idle_work_without_requests(tiny_path):
+    """The serving loop calls ``LLMEngine.on_idle`` while no request runs (where a finished
+    background compile's graphs load), and not between the steps of a request."""
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=128, block_size=4)
+    idle = threading.Event()
+    during = []
+    llm.engine.on_idle = lambda: (idle.set(), during.append(
+        llm.engine.has_unfinished_requests()))
+    engine = AsyncLLM(llm.engine)
+    try:
+        assert idle.wait(5.0)
+
+        async def main():
+            async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=20),
+                                           "req-idle"):
+                pass
+
+        asyncio.run(main())
+        assert not any(during)
+    finally:
+        engine.shutdown()

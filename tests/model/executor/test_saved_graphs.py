@@ -135,8 +135,9 @@ def test_a_graph_file_is_named_by_what_the_graph_bakes_in(tiny_path, tmp_path):
 def test_a_first_start_serves_eagerly_while_a_child_compiles(tiny_path, tmp_path,
                                                              monkeypatch):
     """``compile_in_background`` on an empty cache: the engine is ready at once with its
-    compiled steps off, a child process compiles and saves every graph, and the first step
-    after it exits loads them; tokens are the same before, during and after the switch
+    compiled steps off, a child process compiles and saves every graph, and once it exits
+    the idle engine loads them (a serving loop calls ``on_idle`` while no request runs; the
+    next step would otherwise); tokens are the same before, during and after the switch
     (and the same as an engine that waited for its graphs)."""
     monkeypatch.setenv("LLMSERVE_COMPILE_CACHE", str(tmp_path))
     kw = dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, enforce_eager=False)
@@ -147,8 +148,10 @@ def test_a_first_start_serves_eagerly_while_a_child_compiles(tiny_path, tmp_path
     during = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     child.proc.join(timeout=300)
     assert child.proc.exitcode == 0
-    after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert runner.pending_graphs is child and not runner.graphs_ready
+    llm.engine.on_idle()   # no step: the idle engine loads them
     assert runner.pending_graphs is None and runner.graphs_ready
+    after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert sorted(runner.compiled._compiled.saved) == ["many", "one"]
     assert during == after
     waited = LLM(tiny_path, **kw)   # loads what the child saved

@@ -71,6 +71,11 @@ class Executor(Protocol):
         """Compile what the request path would otherwise compile on first use."""
         ...
 
+    def idle(self) -> None:
+        """While no request runs: work that waits for no step (loading the graphs a
+        background compile has finished)."""
+        ...
+
     @property
     def healthy(self) -> bool:
         """False once a step can no longer run (a tensor-parallel worker died)."""
@@ -100,6 +105,9 @@ class _RankZero:
 
     def warmup(self) -> None:
         self.runner.warmup()
+
+    def idle(self) -> None:
+        self.runner.poll_background_compile()
 
 
 class LocalExecutor(_RankZero):

@@ -182,11 +182,16 @@ class ModelRunner:
         self.pooler.release(request_id)
 
     # ---- one step -------------------------------------------------------------------------
+    def poll_background_compile(self) -> None:
+        """Load the graphs of a background compile that has finished (between steps, and
+        while the engine is idle: an idle server runs its next request compiled)."""
+        if self.pending_graphs is not None:
+            self.pending_graphs.poll(self)
+
     def execute(self, step: StepInput) -> StepOutput:
         if step.num_seqs == 0:
             return StepOutput()
-        if self.pending_graphs is not None:
-            self.pending_graphs.poll(self)
+        self.poll_background_compile()
         for rid in step.finished_request_ids:
             self.release(rid)
         order = self._order(step)
