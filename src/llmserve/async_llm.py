@@ -418,7 +418,10 @@ class AsyncLLM:
                 idle = False
                 if not engine.has_unfinished_requests():
                     self._audit_when_idle()
-                    engine.on_idle()
+                    try:
+                        engine.on_idle()
+                    except Exception:  # noqa: BLE001 - e.g. saved graphs that fail to load
+                        logger.exception("idle work failed; serving on")
                 if engine.has_unfinished_requests():
                     try:
                         # a runner failure fails only its culprits (EngineCore isolates

@@ -56,17 +56,23 @@ def test_the_avx2_build_follows_float64_and_keeps_each_rows_bits(n, k):
                      ops._AVX2_FLAGS)
     torch.ops.load_library(str(path))
     _check(torch.ops.llmserve_avx2.f32_mm, 70, n, k)
+    if ops.native_available():   # one fused multiply-add a k in both: the same bits
+        x, w = _operands(70, n, k, 9)
+        packed = pack_f32(w)
+        assert torch.equal(torch.ops.llmserve_avx2.f32_mm(x, packed),
+                           torch.ops.llmserve_native.f32_mm(x, packed))
 
 
-def test_pytorchs_float32_gemm_moves_a_rows_sums_with_the_row_count():
-    """Why the kernel exists: on this CPU, F.linear gives some row counts other sums (if
-    it ever stops doing so, this test says the reason is gone)."""
+@needs_native
+def test_f32_mm_keeps_the_rows_that_pytorchs_float32_gemm_moves():
+    """Why the kernel exists: F.linear sums a row differently at some row counts on this
+    CPU (1, 2, 3 and 5 rows of 64 here); f32_mm gives every row count the batch's bits."""
     x, w = _operands(64, 1536, 576, 0)
-    full = F.linear(x, w)
+    full, packed = F.linear(x, w), pack_f32(w)
+    mine = f32_mm(x, packed, 1536)
     moved = [m for m in range(1, 17) if not torch.equal(F.linear(x[:m], w), full[:m])]
-    if not moved:
-        pytest.skip("this CPU's float32 GEMM sums a row alike at every row count")
-    assert moved
+    assert not [m for m in range(1, 17) if not torch.equal(f32_mm(x[:m], packed, 1536),
+                                                           mine[:m])], moved
 
 
 @needs_native
@@ -83,6 +89,29 @@ def test_a_float32_weight_packs_for_the_tier_product_and_bf16_for_its_own():
     torch.testing.assert_close(y.view(9, 50), (x.double() @ w.double().T).float(),
                                rtol=1e-5, atol=1e-5)
     assert pack_native(w.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_native
+def test_a_tied_float32_table_is_held_once_as_strips():
+    """A tied float32 head packs the table for f32_mm; the embedding then looks its rows up
+    in those strips (the row-major copy is dropped), with the table's exact values."""
+    from llmserve.model.layers.embedding import LMHead, VocabEmbedding
+    from llmserve.model.layers.linear import DenseLinearMethod
+
+    vocab, hidden = 100, 48
+    emb = VocabEmbedding(vocab, hidden, torch.float32, torch.device("cpu"))
+    table = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(4))
+    emb.load("weight", table)
+    head = LMHead(vocab, hidden, tied_to=emb, method=DenseLinearMethod(), dtype=torch.float32,
+                  device=torch.device("cpu"))
+    head.finish_loading()
+    assert emb.weight is None and emb.strips is head.native_head
+    assert emb.weight_bytes == 0 and head.extra_bytes == 112 * hidden * 4   # 7 strips
+    ids = torch.tensor([[0, 15, 16], [99, 42, 3]])
+    assert torch.equal(emb(ids), table[ids])
+    x = torch.randn(5, hidden)
+    torch.testing.assert_close(head(x), (x.double() @ table.double().T).float(),
+                               rtol=1e-5, atol=1e-5)
 
 
 @needs_native

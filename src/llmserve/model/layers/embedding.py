@@ -70,11 +70,21 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.qweight = None
+        #: a float32 table held once in ``f32_mm``'s strips by a tied head (lookups read it)
+        self.strips: Optional[torch.Tensor] = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.rows(ids, self.dtype)
+        if self.strips is not None:   # row n: strip n // 16, lane n % 16 of every k
+            return self.strips.view(-1, self.shape[1], 16)[ids // 16, :, ids % 16]
         return F.embedding(ids, self.weight)
+
+    def keep_as_strips(self, strips: torch.Tensor) -> None:
+        """Hold the table only as ``strips`` (a tied head's float32 packing): lookups
+        gather their rows from it, and the row-major copy is dropped."""
+        self.strips = strips
+        self.weight = None
 
     def load(self, name: str, tensor: "torch.Tensor | RawGGUFTensor", shard: object = None) -> None:
         if name != "weight" or tuple(tensor.shape) != self.shape:
@@ -94,16 +104,21 @@ class VocabEmbedding(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of the table as held here (0 when a tied head holds it as strips)."""
         if self.qweight is not None:
             return self.qweight.nbytes
+        if self.weight is None:
+            return 0
         return self.weight.numel() * self.weight.element_size()
 
 
 class LMHead(nn.Module):
     """Float32 logits ``(N, vocab)``; its own Linear, or the embedding table when tied.
 
-    A tied bf16 head on CPU multiplies with a oneDNN-packed copy of the table (the lookup
-    needs the row-major table, the product is faster packed).
+    A tied bf16 head on CPU multiplies with a packed copy of the table (the native bf16
+    kernel's pairs, or oneDNN's layout; the lookup keeps the row-major table). A tied float32
+    head packs the table into ``f32_mm``'s strips and the embedding then looks its rows up
+    there (``VocabEmbedding.keep_as_strips``): the table is held once.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tied_to: Optional[VocabEmbedding],
@@ -128,6 +143,8 @@ class LMHead(nn.Module):
             return
         if can_pack_native(self.tied.weight.data):
             self.native_head = pack_native(self.tied.weight.data)
+            if self.native_head.dtype == torch.float32:   # one copy: lookups use the strips
+                self.tied.keep_as_strips(self.native_head)
         elif cpu_kernels.can_prepack(self.tied.weight):
             self.packed_id = cpu_kernels.prepack_linear(self.tied.weight.data)
 

@@ -79,13 +79,13 @@ def pack_f32(w: torch.Tensor) -> torch.Tensor:
     pad = -n % 16
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
-    return w.view(-1, 16, k).transpose(1, 2).contiguous().view(-1, k * 16)
+    return w.reshape(-1, 16, k).transpose(1, 2).contiguous().view(-1, k * 16)
 
 
 def f32_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x (..., K) @ W^T`` in float32 for a :func:`pack_f32` weight -> ``(..., N)``."""
-    if _F32_MM is None:
-        raise RuntimeError("f32_mm needs native_f32_available() to have found the library")
+    if _F32_MM is None and not native_f32_available():
+        raise RuntimeError("f32_mm needs the CPU tier's kernel library (native_f32_available)")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32:
         x2 = x2.float()

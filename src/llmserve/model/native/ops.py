@@ -1,6 +1,6 @@
 """llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
 
-Eleven operators, ``torch.ops.llmserve_native``:
+Thirteen operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
@@ -17,13 +17,17 @@ Eleven operators, ``torch.ops.llmserve_native``:
   (:mod:`llmserve.model.layers.activation`);
 - ``rotate_qk``: the rotary embedding of a prefill chunk's q and k
   (:mod:`llmserve.model.layers.rotary`); ``kv_store``: an eager step's K/V rows copied
-  into the paged cache (:mod:`llmserve.model.attention.native_decode`).
+  into the paged cache (:mod:`llmserve.model.attention.native_decode`);
+- ``rms_norm`` and ``f32_mm`` (``csrc/portable/``, plain C++ built into both libraries with
+  the same bits): the rows norm every path calls (:mod:`llmserve.model.layers.norm`) and
+  float32 dense weights x float32 rows (:mod:`llmserve.model.layers.native_dense`).
 
 All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by the library
 itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csrc/avx2/``,
 built with nothing beyond ``-mavx2 -mfma -mf16c``), serves the ``avx2`` tier: ``int4_a8_mm``
 and ``int8_a8_mm`` on the same packed layouts with the same results (vpmaddubsw/vpmaddwd in
-place of vpdpbusd; :func:`a8_ops` picks the namespace once). ``LLMSERVE_CPU_ISA`` forces a
+place of vpdpbusd; :func:`a8_ops` picks the namespace once), its own ``paged_decode`` (bf16
+or float32 caches), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
 lower tier than the CPU has, so every tier runs on one machine (:func:`cpu_tier`):
 ``avx512_vnni`` (everything), ``avx512_bf16`` (no int8-activation kernels), ``avx2`` (the
 avx2 library's int8-activation products; PyTorch's for the rest) or ``none`` (no native

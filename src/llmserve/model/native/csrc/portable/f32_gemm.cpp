@@ -13,10 +13,12 @@
 // what shared its step (tests/model/test_batch_invariance.py).
 //
 // Plain C++: a strip's 16 accumulators a row are 16 independent lanes the compiler
-// vectorizes for the library's tier (two ymm or one zmm), up to six rows share each weight
-// load. A row of products streams the weights once (decodes: the read bandwidth bounds it);
-// tiles of six rows keep 12 (avx2) or 6 (avx512) accumulator vectors in flight for
-// prefill chunks. Built into each tier's library; LLMSERVE_LIBRARY names the namespace.
+// vectorizes for the library's tier (two ymm or one zmm); the rows of a tile share each
+// weight load: 6 rows with AVX-512 (6 zmm accumulators), 4 with avx2 (8 ymm, the rest of
+// the 16 registers for operands). A row of products streams the weights once (decodes: the
+// read bandwidth bounds it). Rows go in blocks of 64 and the strips of a block over the
+// threads, so a block's rows stay in cache while the weights stream by. Built into each
+// tier's library; LLMSERVE_LIBRARY names the namespace.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,6 +33,7 @@
 namespace {
 
 constexpr int kStrip = 16;    // output channels a strip
+constexpr int64_t kBlockRows = 64;   // rows whose strips the threads share at a time
 #ifdef __AVX512F__
 constexpr int kMaxRows = 6;   // rows a tile: 6 zmm accumulators
 #else
@@ -67,12 +70,13 @@ constexpr TileFn kTiles[7] = {nullptr,       strip_rows<1>, strip_rows<2>, strip
 
 at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "f32_mm: x must be a contiguous float32 (M, K) CPU tensor, got ",
-              x.scalar_type(), " ", x.sizes());
+                  x.device().is_cpu() && packed.device().is_cpu(),
+              "f32_mm: x must be a contiguous float32 (M, K) CPU tensor (and packed on the "
+              "CPU), got ", x.scalar_type(), " ", x.sizes());
   const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k > 0, "f32_mm: K must be positive");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous() && packed.size(1) == k * kStrip && k > 0,
+                  packed.is_contiguous() && packed.size(1) == k * kStrip,
               "f32_mm: packed must be contiguous float32 (S, K * 16) for K = ", k, ", got ",
               packed.scalar_type(), " ", packed.sizes());
   const int64_t strips = packed.size(0), n = strips * kStrip;
@@ -81,13 +85,16 @@ at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& packed) {
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s)
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int64_t tile = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
-        kTiles[tile](xp + r0 * k, k, wp + s * k * kStrip, k, yp + r0 * n + s * kStrip, n);
-      }
-  });
+  for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
+    const int64_t b1 = rows - b0 < kBlockRows ? rows : b0 + kBlockRows;
+    at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s)
+        for (int64_t r0 = b0; r0 < b1; r0 += kMaxRows) {
+          const int64_t tile = b1 - r0 < kMaxRows ? b1 - r0 : kMaxRows;
+          kTiles[tile](xp + r0 * k, k, wp + s * k * kStrip, k, yp + r0 * n + s * kStrip, n);
+        }
+    });
+  }
   return y;
 }
 
