@@ -148,8 +148,9 @@ def test_a_first_start_serves_eagerly_while_a_child_compiles(tiny_path, tmp_path
     during = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     child.proc.join(timeout=300)
     assert child.proc.exitcode == 0
-    assert runner.pending_graphs is child and not runner.graphs_ready
-    llm.engine.on_idle()   # no step: the idle engine loads them
+    if runner.pending_graphs is child:   # (unless the last step above found it done)
+        assert not runner.graphs_ready
+        llm.engine.on_idle()   # no step: the idle engine loads them
     assert runner.pending_graphs is None and runner.graphs_ready
     after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert sorted(runner.compiled._compiled.saved) == ["many", "one"]
