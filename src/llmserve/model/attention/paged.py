@@ -151,8 +151,9 @@ class PagedBackend(ReferenceBackend):
         # a library (an int8 or float32 KV cache beside bf16 kernels: 1.3-1.7x faster steps
         # at c=32-64 than the eager op, but a decode may then differ from the same row in
         # a mixed eager step), and by the eager gather + SDPA op on the none tier, whose
-        # point is the exact fallback
-        self.inductor_decode = not self.native_decode and tier_ops() is not None
+        # point is the exact fallback (a CPU-only op: other devices keep inductor's loops)
+        self.inductor_decode = not self.native_decode and (
+            tier_ops() is not None or (device is not None and device.type != "cpu"))
 
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
         nd = batch.num_decodes
@@ -236,10 +237,14 @@ class PagedBackend(ReferenceBackend):
             elif self.inductor_decode and torch.compiler.is_compiling():
                 outs.append(paged_decode_inplace(qd, k_cache, v_cache, meta.decode_slots,
                                                  valid, scale, softcap))
-            else:   # eager, or compiled without a library: the eager steps' gather + SDPA
+            elif torch.compiler.is_compiling():   # the none tier: the eager steps' sums
                 outs.append(torch_decode_attention(qd, k_cache, v_cache,
                                                    meta.decode_block_tables, valid,
                                                    meta.block_size, scale, softcap or 0.0))
+            else:   # eager: the gather + SDPA itself (the op wraps it for traces, on CPU)
+                outs.append(decode_group_attention(qd, k_cache, v_cache,
+                                                   meta.decode_block_tables, valid,
+                                                   meta.block_size, scale, softcap))
         if meta.groups:
             outs.extend(self.group_outputs(q, k_cache, v_cache, meta, scale, meta.groups,
                                            window, softcap))
