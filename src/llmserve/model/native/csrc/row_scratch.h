@@ -24,10 +24,16 @@ struct RowScratch {
   }
 };
 
+// This thread's scratch: one set of slots, whatever element type a product asks for.
+inline RowScratch& thread_scratch() {
+  thread_local RowScratch scratch;
+  return scratch;
+}
+
 // `count` elements of T in slot `slot` (0 .. kScratchSlots - 1) of this thread's scratch.
 template <typename T>
 inline T* row_scratch(int slot, int64_t count) {
-  thread_local RowScratch scratch;
+  RowScratch& scratch = thread_scratch();
   const size_t need = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
   if (need > scratch.bytes[slot]) {
     std::free(scratch.data[slot]);
