@@ -155,6 +155,7 @@ llm = LLM(sys.argv[1], quantization="auto", num_kv_blocks=512, block_size=16, ma
 plan = llm.engine.runner.kernel_plan
 alone = [run(llm, [p], GREEDY) for p in TARGETS]
 batched = run(llm, TARGETS + MANY_FILLERS, GREEDY)
+small = run(llm, TARGETS + MANY_FILLERS[:5], GREEDY)
 chunked = run(LLM(sys.argv[1], quantization="auto", num_kv_blocks=512, block_size=16,
                   enforce_eager=False, enable_prefix_caching=False, dtype=dtype,
                   max_num_batched_tokens=16), TARGETS + MANY_FILLERS[:6], GREEDY)
@@ -173,6 +174,7 @@ torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled 
             "f32": plan["native_kernels"].get("f32"),
             "alone": ([a[0][0] for a in alone], [a[1][0] for a in alone]),
             "batched": (batched[0][:4], batched[1][:4]), "first": first, "drafted": drafted,
+            "small": (small[0][:4], small[1][:4]),
             "chunked": (chunked[0][:4], chunked[1][:4]),
             "plain": ([a[0][0] for a in plain], [a[1][0] for a in plain]),
             "accepted": spec.engine.get_stats().spec_accepted_tokens_total - before},
@@ -186,7 +188,8 @@ torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled 
 def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp_path, tier,
                                                                             quant, dtype):
     """The same check on a forced lower tier (``LLMSERVE_CPU_ISA``, a fresh process: the
-    tier is chosen once at start-up), compiled graphs on, also with suffix drafts verified
+    tier is chosen once at start-up), batches of 9 and 64, compiled graphs on, also with
+    suffix drafts verified
     (issue 32: exact on every tier): avx2 (its own int8-activation products, decode
     attention and norm) for a Q6_K file and for a dense checkpoint, both ``--dtype auto``
     (float32 on this tier: the dense linears run the library's ``f32_mm``, PyTorch's
@@ -214,6 +217,7 @@ def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp
         assert got["dtype"] == "float32" and got["head"] == "tied:f32_mm", got["head"]
         assert got["linears"] == {"dense": 4 * 2} and got["f32"]
     what = f"{tier} tier, {quant}"
+    assert_same(got["alone"], got["small"], f"{what}: batch of 9")
     assert_same(got["alone"], got["batched"], f"{what}: batch of 64")
     assert_same(got["alone"], got["chunked"], f"{what}: chunks of 16 tokens")
     assert got["accepted"] > 0    # the second pass verified drafts and kept some
