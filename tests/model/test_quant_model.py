@@ -17,7 +17,7 @@ from llmserve.model.layers.linear import DenseLinearMethod, Linear
 from llmserve.model.loading.loader import load_model_config, open_checkpoint
 from llmserve.model.quant import select_linear_method
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
-from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
 from llmserve.model.quant.native_int8 import native_int8_a8_available
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
@@ -100,9 +100,12 @@ def test_packed_gguf_logits_follow_dequantized(tiny_q4):
 @pytest.mark.parametrize("quantization,fmt", [("int8", "int8"), ("int4", "int4-g64")])
 def test_hf_checkpoint_quantized_at_load(tiny_hf, quantization, fmt):
     llm = engine(tiny_hf, quantization=quantization, quantization_group_size=64)
+    linear = f"{fmt}x8"
     if fmt.startswith("int4") and native_int4_a8_available():
-        fmt += "-a8"    # --int4-activations auto: int8 where the kernel runs
-    assert llm.engine.runner.quantization == f"linear:{fmt}x8;embedding:dense"
+        # --int4-activations auto: int8 where the kernel runs, but q/k/v (one of each
+        # layer's four linears) keeps bf16 activations where the bf16 kernel runs
+        linear = f"{fmt}x2,{fmt}-a8x6" if native_int4_available() else f"{fmt}-a8x8"
+    assert llm.engine.runner.quantization == f"linear:{linear};embedding:dense"
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0,
                                                       ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4

@@ -41,6 +41,8 @@ PRESETS: dict[str, Preset] = {
     "fp32": Preset(dict(dtype="float32", quantization="none")),
     "bf16": Preset(dict(dtype="bfloat16", quantization="none"), Thresholds(0.01, 0.95, 0.01)),
     "packed": Preset(dict(dtype="bfloat16", quantization="auto"), Thresholds(0.01, 0.93, 0.01)),
+    "packed-a8": Preset(dict(dtype="bfloat16", quantization="auto", int4_activations="int8"),
+                        Thresholds(0.01, 0.93, 0.01)),
     "packed-a16": Preset(dict(dtype="bfloat16", quantization="auto", int4_activations="bf16"),
                          Thresholds(0.01, 0.93, 0.01)),
     "int8": Preset(dict(dtype="bfloat16", quantization="int8"), Thresholds(0.01, 0.93, 0.02)),
@@ -53,6 +55,7 @@ PRESETS: dict[str, Preset] = {
     "kv-fp8": Preset(dict(dtype="float32", quantization="none", kv_cache_dtype="fp8_e4m3"),
                      Thresholds(0.02, 0.93, 0.02)),
 }
-DEFAULT_CONFIGS = ("fp32", "bf16", "packed", "packed-a16", "int8", "int4", "kv-int8", "kv-fp8")
+DEFAULT_CONFIGS = ("fp32", "bf16", "packed", "packed-a8", "packed-a16", "int8", "int4", "kv-int8",
+                   "kv-fp8")
 
 

@@ -8,7 +8,8 @@ import torch
 
 from llmserve import LLM
 from llmserve.config import EngineConfig
-from llmserve.model.quant import int4_int8_activations
+from llmserve.model.config import ModelConfig
+from llmserve.model.quant import int4_int8_activations, select_linear_method
 from llmserve.model.quant import native_int4 as n4
 from llmserve.model.quant.kernels import Int4Groups, Int4Weight, quantize_int4
 from llmserve.model.quant.native_int4 import int4_a8_mm, int4_a8_reference, native_int4_a8_available, pack_int4_a8
@@ -134,6 +135,18 @@ def test_activation_choice(monkeypatch):
         int4_int8_activations("fp8", cpu)
     with pytest.raises(ValueError, match="int4_activations"):
         EngineConfig.from_kwargs(int4_activations="int4")
+    monkeypatch.setattr("llmserve.model.quant.native_int4_a8_available", lambda: True)
+    monkeypatch.setattr("llmserve.model.quant.native_int4_available", lambda: True)
+    monkeypatch.setattr("llmserve.model.quant.kernels_available", lambda device: True)
+    cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16, 512, source_format="gguf",
+                      quantization="gguf:Q4_1")
+    picks = {choice: select_linear_method("auto", 32, cfg, torch.bfloat16, cpu, choice)
+             for choice in ("auto", "int8", "bf16")}
+    # auto: int8 activations except a q/k/v projection of int4 groups; int8: every product
+    assert [(m.int8_activations, m.bf16_attention_input) for m in picks.values()] == [
+        (True, True), (True, False), (False, False)]
+    monkeypatch.setattr("llmserve.model.quant.native_int4_available", lambda: False)
+    assert not select_linear_method("auto", 32, cfg, torch.bfloat16, cpu).bf16_attention_input
     monkeypatch.setattr("llmserve.model.quant.native_int4_a8_available", lambda: False)
     assert int4_int8_activations("auto", cpu) is False
     with pytest.raises(ValueError, match="AVX512-VNNI"):

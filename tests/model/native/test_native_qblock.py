@@ -15,11 +15,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from llmserve.model.layers.embedding import VocabEmbedding
-from llmserve.model.layers.linear import Linear
+from llmserve.model.layers.linear import ATTENTION_INPUT, Linear
 from llmserve.model.quant.block_codes import BlockCodes, to_block_codes
 from llmserve.model.quant.kernels import Int8Weight
 from llmserve.model.quant.methods import GGUFLinearMethod
-from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
 from llmserve.model.quant.native_int8 import quantized_rows_reference
 from llmserve.model.quant.native_qblock import (
     QBlockTable,
@@ -129,9 +129,9 @@ def test_one_compiled_graph_for_every_batch():
         QBlockWeight(codes_of(gguf_blocks(Q.Q5_0, 48, 128, seed=4))), 128)
 
 
-def _fused(method, shards):
+def _fused(method, shards, role=""):
     layer = Linear(256, [s.shape[0] for s in shards], bias=False, method=method,
-                   dtype=torch.bfloat16, device=torch.device("cpu"))
+                   dtype=torch.bfloat16, device=torch.device("cpu"), role=role)
     for i, raw in enumerate(shards):
         layer.method.load_weight(layer, "weight", raw, i)
     layer.method.process_weights_after_loading(layer)
@@ -141,6 +141,29 @@ def _fused(method, shards):
 def _dense(shards):
     return torch.from_numpy(np.concatenate([
         gguf.quants.dequantize(r.data, r.qtype).reshape(r.shape) for r in shards])).double()
+
+
+@pytest.mark.skipif(not (native_int4_a8_available() and native_int4_available()),
+                    reason="needs the int4 x int8 and int4 x bf16 kernels")
+def test_auto_activations_keep_bf16_for_the_attention_input_of_int4_groups():
+    """``--int4-activations auto``: the q/k/v projection of int4 groups meets bf16 activations
+    (its product equals the bf16 kernel's, not the int8 one's); every other int4 layer, and a
+    q/k/v projection held in another format, quantizes its activations to int8."""
+    q4 = [gguf_blocks(Q.Q4_0, rows, 256, seed=s) for s, rows in ((1, 64), (2, 32), (3, 32))]
+    mixed = GGUFLinearMethod(int8_activations=True, bf16_attention_input=True)
+    qkv = _fused(mixed, q4, role=ATTENTION_INPUT)
+    other = _fused(mixed, q4)
+    assert (qkv.qformat, other.qformat) == ("int4-g32", "int4-g32-a8")
+    bf16 = _fused(GGUFLinearMethod(int8_activations=False), q4)
+    a8 = _fused(GGUFLinearMethod(int8_activations=True), q4, role=ATTENTION_INPUT)
+    assert a8.qformat == "int4-g32-a8"      # --int4-activations int8: every product
+    torch.manual_seed(3)
+    x = torch.randn(7, 256).bfloat16()
+    assert torch.equal(qkv(x), bf16(x)) and torch.equal(other(x), a8(x))
+    assert not torch.equal(qkv(x), a8(x))
+    if native_qblock_available():           # a block-format q/k/v keeps its int8 kernel
+        q6 = [gguf_blocks(Q.Q6_K, 32, 256, seed=s) for s in (4, 5)]
+        assert _fused(mixed, q6, role=ATTENTION_INPUT).qformat == "gguf-q6_k-a8"
 
 
 @needs_qblock

@@ -137,12 +137,22 @@ class DenseLinearMethod(LinearMethod):
         return packed + (0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size())
 
 
+#: ``Linear.role`` of the projection whose outputs become attention queries, keys and values
+ATTENTION_INPUT = "qkv"
+
+
 class Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` of ``sum(output_sizes)`` rows, held by a LinearMethod."""
+    """``y = x W^T + b`` with ``W`` of ``sum(output_sizes)`` rows, held by a LinearMethod.
+
+    ``role`` names what the layer is in its block (:data:`ATTENTION_INPUT` for the fused
+    q/k/v projection, empty otherwise), for methods that treat one kind of layer differently.
+    """
 
     def __init__(self, input_size: int, output_sizes: "int | Sequence[int]", *, bias: bool,
-                 method: LinearMethod, dtype: torch.dtype, device: torch.device) -> None:
+                 method: LinearMethod, dtype: torch.dtype, device: torch.device,
+                 role: str = "") -> None:
         super().__init__()
+        self.role = role
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         if input_size < 1 or not sizes or min(sizes) < 1:
             raise ValueError(f"bad linear shape: input {input_size}, outputs {sizes}")

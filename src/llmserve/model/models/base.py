@@ -26,7 +26,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.layers.activation import GatedActivation, gated_activation, native_silu_mul
 from llmserve.model.layers.compiled_rows import WARMUP_ROWS, compile_rows, many_rows
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
-from llmserve.model.layers.linear import Linear, LinearMethod
+from llmserve.model.layers.linear import ATTENTION_INPUT, Linear, LinearMethod
 from llmserve.model.layers.norm import RMSNorm
 from llmserve.model.layers.rotary import RotaryEmbedding
 
@@ -56,7 +56,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
         self.split = [h * d, hkv * d, hkv * d]
         self.qkv_proj = Linear(cfg.hidden_size, self.split, bias=cfg.attention_bias,
-                               method=method, dtype=dtype, device=device)
+                               method=method, dtype=dtype, device=device, role=ATTENTION_INPUT)
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=o_bias, method=method, dtype=dtype,
                              device=device)
         self.q_norm = self.k_norm = None

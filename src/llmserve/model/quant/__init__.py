@@ -15,7 +15,10 @@
 An explicit int8/int4 with a float32 model converts activations to bf16 around each
 quantized product. ``--int4-activations`` (EngineConfig.int4_activations) says what meets the
 int4 codes: ``int8`` rows quantized in blocks of 32 (llama.cpp's Q4 x Q8 arithmetic, on
-AVX512-VNNI), ``bf16`` the activations as they are; ``auto`` is int8 where the kernel runs.
+AVX512-VNNI) for every product, ``bf16`` the activations as they are; ``auto`` is int8 where
+the kernel runs except the q/k/v projection of int4 groups, which keeps bf16 activations where
+the native bf16 kernel runs (the AVX512-BF16 tier): per unit of time saved, int8 activations
+cost the most quality there (docs/QUANTIZATION.md).
 The same choice holds for a GGUF file's tied embedding table kept as int8 rows: with int8
 activations the LM head multiplies by ``int8_a8_mm`` (``embedding:int8-a8`` in the name); a
 K-quant or 5-bit table stays in its blocks where the block kernel runs
@@ -43,7 +46,7 @@ from llmserve.model.quant.methods import (
     Int4LinearMethod,
     Int8LinearMethod,
 )
-from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,15 @@ def _int8_products_without_bf16(int4_activations: str, device: torch.device) -> 
             and native_int4_a8_available())
 
 
+def _bf16_attention_input(int4_activations: str, int8_activations: bool,
+                          dtype: torch.dtype) -> bool:
+    """``auto``'s one exception to int8 activations: the q/k/v projection's int4 products keep
+    bf16 activations where the native bf16 int4 kernel runs (a bf16 model on the
+    AVX512-BF16 tier); ``int8`` quantizes every product's activations."""
+    return (int4_activations == "auto" and int8_activations and dtype == torch.bfloat16
+            and native_int4_available())
+
+
 def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
                          dtype: torch.dtype, device: torch.device,
                          int4_activations: str = "auto") -> LinearMethod:
@@ -100,7 +112,8 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
                 dtype == torch.float32 and _int8_products_without_bf16(int4_activations,
                                                                        device))):
             a8 = int4_int8_activations(int4_activations, device)
-            return GGUFLinearMethod(a8) if gguf else Int4CheckpointLinearMethod(a8)
+            mixed = _bf16_attention_input(int4_activations, a8, dtype)
+            return GGUFLinearMethod(a8, mixed) if gguf else Int4CheckpointLinearMethod(a8, mixed)
         if packed_file:
             logger.info("quantization auto: %s weights dequantized to %s (packed kernels need "
                         "bf16 activations on the CPU, or int8 ones on the avx2 tier)",
@@ -111,7 +124,8 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
                          f"device {device} has none (use --quantization none)")
     if quantization == "int8":
         return Int8LinearMethod()
-    return Int4LinearMethod(group_size, int4_int8_activations(int4_activations, device))
+    a8 = int4_int8_activations(int4_activations, device)
+    return Int4LinearMethod(group_size, a8, _bf16_attention_input(int4_activations, a8, dtype))
 
 
 def describe_quantization(model: nn.Module) -> str:

@@ -43,7 +43,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from llmserve.model.layers.linear import DenseLinearMethod, Linear, LinearMethod
+from llmserve.model.layers.linear import ATTENTION_INPUT, DenseLinearMethod, Linear, LinearMethod
 from llmserve.model.loading.gguf import RawGGUFTensor
 from llmserve.model.loading.int4_checkpoint import PackedInt4Tensor
 from llmserve.model.quant.block_codes import BlockCodes, to_block_codes
@@ -124,10 +124,27 @@ class QuantizedLinearMethod(LinearMethod):
     #: Q4_K tensors are decoded as block codes (the block kernel's 4-bit mode), not int4 groups
     q4_k_blocks = False
 
-    def __init__(self, int8_activations: bool = False) -> None:
+    def __init__(self, int8_activations: bool = False,
+                 bf16_attention_input: bool = False) -> None:
         self.dense = DenseLinearMethod()
         #: int4 layers quantize their activations to int8 (``--int4-activations``)
         self.int8_activations = int8_activations
+        #: ... except an attention input projection held as int4 groups, which keeps bf16
+        #: activations (``--int4-activations auto``; see :func:`layer_int8_activations`)
+        self.bf16_attention_input = bf16_attention_input
+
+    def layer_int8_activations(self, layer: Linear, fmt: str) -> bool:
+        """Whether ``layer``, packed as ``fmt``, quantizes its activations to int8.
+
+        With ``bf16_attention_input`` the q/k/v projection of int4 groups meets bf16
+        activations: its rounding errors reach the attention scores inside an exponential,
+        and measured per kind of layer it is where int8 activations cost the most quality
+        for the time they save (docs/QUANTIZATION.md, "Which products take int8 activations").
+        Block-format layers keep int8 activations (their kernels take no others).
+        """
+        if self.bf16_attention_input and fmt == "int4" and layer.role == ATTENTION_INPUT:
+            return False
+        return self.int8_activations
 
     # ---- the format decision ----------------------------------------------------------------
     @abstractmethod
@@ -203,7 +220,8 @@ class QuantizedLinearMethod(LinearMethod):
                 and Int4Groups.fusable(stored)
             groups = Int4Groups.cat([s.values for s in shards]) if exact else \
                 quantize_int4(torch.cat([s.as_float() for s in shards]), g)
-            layer.qweight = Int4Weight(groups, int8_activations=self.int8_activations)
+            layer.qweight = Int4Weight(groups,
+                                       int8_activations=self.layer_int8_activations(layer, fmt))
         elif fmt == "qblock":
             layer.qweight = QBlockWeight(BlockCodes.cat([s.values for s in shards]))
         elif fmt == "split":
@@ -257,8 +275,9 @@ class QuantizedLinearMethod(LinearMethod):
 class Int4LinearMethod(QuantizedLinearMethod):
     """Every linear in int4 with groups of ``group_size`` (round-to-nearest where not exact)."""
 
-    def __init__(self, group_size: int = 32, int8_activations: bool = False) -> None:
-        super().__init__(int8_activations)
+    def __init__(self, group_size: int = 32, int8_activations: bool = False,
+                 bf16_attention_input: bool = False) -> None:
+        super().__init__(int8_activations, bf16_attention_input)
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, "
                              f"got {group_size}")
@@ -283,8 +302,9 @@ class GGUFLinearMethod(QuantizedLinearMethod):
     K-quants and 5/8-bit types in their own blocks (mixed fused layers split by format);
     without them Q4_K as int4 groups and the rest int8."""
 
-    def __init__(self, int8_activations: bool = False) -> None:
-        super().__init__(int8_activations)
+    def __init__(self, int8_activations: bool = False,
+                 bf16_attention_input: bool = False) -> None:
+        super().__init__(int8_activations, bf16_attention_input)
         #: the block kernels run here (int8 activations, VNNI, self-test passed)
         self.block_kernels = int8_activations and native_qblock_available()
         #: Q4_K in its own blocks (4.625 bits a weight, exact) rather than int4 groups of 32
