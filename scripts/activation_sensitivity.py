@@ -70,14 +70,24 @@ def main(argv: "list[str] | None" = None) -> int:
         print("the int4 x int8 kernel (AVX512-VNNI) is not available here", file=sys.stderr)
         return 2
     path = resolve_model_path(args.model)
-    text = "\n".join(open(p, encoding="utf-8").read() for p in (args.text or [TEXT_PATH]))
+    sets = [c.split("+") for c in args.combos.split(",") if c]
+    known = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "head"}
+    unknown = sorted({k for kinds_moved in sets for k in kinds_moved} - known)
+    if unknown:
+        print(f"unknown kind(s) {unknown}; kinds: {sorted(known)}", file=sys.stderr)
+        return 2
+    texts = []
+    for name in args.text or [TEXT_PATH]:
+        with open(name, encoding="utf-8") as f:
+            texts.append(f.read())
+    text = "\n".join(texts)
     text_ids = Tokenizer.from_path(path).encode(text)[:args.max_tokens]
     settings = dict(PRESETS["packed"].settings)
-    ref = gate._engine(path, PRESETS["fp32"].settings, args.window, None)
+    ref = gate.eval_engine(path, PRESETS["fp32"].settings, args.window, None)
     ref_logp, targets = _score(ref, text_ids, args.window)
     del ref
-    a8 = gate._engine(path, dict(settings, int4_activations="int8"), args.window, None)
-    a16 = gate._engine(path, dict(settings, int4_activations="bf16"), args.window, None)
+    a8 = gate.eval_engine(path, dict(settings, int4_activations="int8"), args.window, None)
+    a16 = gate.eval_engine(path, dict(settings, int4_activations="bf16"), args.window, None)
     m8, m16 = a8.runner.model, a16.runner.model
     bf16_weights = dict(m16.named_modules())
     int8_weights = {n: m for n, m in m8.named_modules()
@@ -105,13 +115,8 @@ def main(argv: "list[str] | None" = None) -> int:
     print(f"fp32 reference: PPL {ref_ppl:.3f} over {len(text_ids)} tokens", flush=True)
     report("nothing (int8)", [])
     report("everything (bf16)", list(int8_weights))
-    sets = [[k] for k in kinds] + [c.split("+") for c in args.combos.split(",") if c]
-    for kinds_moved in sets:
-        unknown = [k for k in kinds_moved if k not in kinds]
-        if unknown:
-            print(f"unknown kind(s) {unknown}; kinds: {sorted(kinds)}", file=sys.stderr)
-            return 2
-        report("+".join(kinds_moved), [n for k in kinds_moved for n in kinds[k]])
+    for kinds_moved in [[k] for k in kinds] + sets:
+        report("+".join(kinds_moved), [n for k in kinds_moved for n in kinds.get(k, [])])
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(reference_ppl=ref_ppl, rows=rows), f, indent=1)

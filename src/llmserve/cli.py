@@ -43,8 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="what meets int4 weights: int8 (rows quantized in blocks of 32, "
                         "llama.cpp's Q8 arithmetic, faster many-row products: docs/BENCHMARKS.md) "
                         "or bf16 (exact codes x bf16); auto: int8 where the CPU has AVX512-VNNI, "
-                        "except the q/k/v projection, which keeps bf16 where the CPU has "
-                        "AVX512-BF16 (docs/QUANTIZATION.md)")
+                        "except a q/k/v projection of int4 groups, which keeps bf16 where the "
+                        "CPU has AVX512-BF16 (block-format q/k/v and the avx2 tier stay int8; "
+                        "docs/QUANTIZATION.md)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-gib", type=float, default=None,

@@ -39,7 +39,7 @@ class ModelOptions:
     dtype: str = "auto"                    # auto (bf16 on CUDA / CPUs with native bf16, else fp32) | float32 | bfloat16 | float16
     quantization: str = "auto"             # auto (GGUF stays packed with bf16 on CPU) | none | int8 | int4
     quantization_group_size: int = 32      # int4 group size along the input dim: 32 | 64 | 128 | 256
-    int4_activations: str = "auto"         # auto (int8 where the CPU has AVX512-VNNI, q/k/v bf16) | int8 | bf16
+    int4_activations: str = "auto"         # auto (int8 where the CPU has AVX512-VNNI; q/k/v of int4 groups bf16 with AVX512-BF16) | int8 | bf16
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     max_model_len: Optional[int] = None    # context length; None: the model's
     seed: int = 0                          # default generator seed for unseeded requests

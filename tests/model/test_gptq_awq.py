@@ -25,7 +25,7 @@ from llmserve.model.loading.loader import load_model_config, open_checkpoint
 from llmserve.model.quant import select_linear_method
 from llmserve.model.quant.gptq_awq import checkpoint_int4_groups
 from llmserve.model.quant.methods import Int4CheckpointLinearMethod
-from llmserve.model.quant.native_int4 import native_int4_a8_available
+from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
 from llmserve.model.quant.native_qblock import SplitWeight
 from tests.model.family_parity import StepRecorder, make_llm
 from tests.model.int4_checkpoints import make_int4_checkpoint
@@ -151,9 +151,14 @@ def test_engine_follows_the_dequantized_reference(folders, layout):
     llm = make_llm(packed_dir, dtype="bfloat16", quantization="auto")
     fmt = llm.engine.runner.quantization
     # 8 fused projections packed; the float lm_head is the one dense linear
-    # (with int8 activations, q/k/v keeps bf16 ones where the bf16 kernel runs: auto)
-    assert re.fullmatch(r"linear:densex1,(int4-g(32|64)(-a8)?x8|int4-g(32|64)x2,int4-g(32|64)-a8x6)"
-                        r";embedding:dense", fmt), fmt
+    g = r"int4-g(32|64)"
+    if not native_int4_a8_available():
+        linears = rf"{g}x8"
+    elif native_int4_available():   # auto: q/k/v keeps bf16 activations, the rest int8
+        linears = rf"{g}x2,{g}-a8x6"
+    else:
+        linears = rf"{g}-a8x8"
+    assert re.fullmatch(rf"linear:densex1,{linears};embedding:dense", fmt), fmt
     packed, _ = _logits_and_tokens(packed_dir, dtype="bfloat16", quantization="auto")
     p, q = torch.log_softmax(ref, -1), torch.log_softmax(packed, -1)
     kl = (p.exp() * (p - q)).sum(-1)

@@ -61,7 +61,8 @@ def test_capital_of_france_in_a_chat(activations):
     Its greedy answer is a near tie on this file: int8 activations in every product
     (``--int4-activations int8``, llama.cpp's Q4_1 x Q8_1 arithmetic) start "L'Étoile, la
     Marseillaise", as llama-server does on the same file; ``auto`` keeps the q/k/v
-    projection's activations in bf16 (docs/QUANTIZATION.md) and answers Paris."""
+    projection's activations in bf16 (docs/QUANTIZATION.md) and answers Paris, by 0.013 nats:
+    a canary that a change to the int4 kernels' arithmetic can flip (rerun it after one)."""
     llm = LLM(None, num_kv_blocks=64, int4_activations=activations)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0]
@@ -124,8 +125,9 @@ def test_capital_of_france_on_every_lower_tier(tier):
     if not CPU_TIERS[tier] <= cpu_flags():
         pytest.skip(f"this CPU has no {tier} tier")
     env = dict(os.environ, LLMSERVE_CPU_ISA=tier)
-    done = subprocess.run([sys.executable, "-c", _CHAT_ON_A_TIER], env=env, check=True,
+    done = subprocess.run([sys.executable, "-c", _CHAT_ON_A_TIER], env=env,
                           capture_output=True, text=True, timeout=600)
-    plan, answer = done.stdout.strip().split("\n", 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan, answer = done.stdout.strip().split("\n")[-2:]
     assert plan.split()[0] == tier
     assert "Paris" in answer, (plan, answer)

@@ -115,6 +115,11 @@ def test_fingerprint_names_the_runtime_quantization(tiny_q4):
     prints = {q: engine(tiny_q4, quantization=q).engine.fingerprint
               for q in ("auto", "none", "int8")}
     assert len(set(prints.values())) == 3
+    if native_int4_a8_available() and native_int4_available():
+        # --int4-activations auto (q/k/v on bf16), int8 and bf16: three arithmetics
+        acts = {a: engine(tiny_q4, int4_activations=a).engine.fingerprint
+                for a in ("auto", "int8", "bf16")}
+        assert len(set(acts.values())) == 3
 
 
 def test_method_choice(tiny_hf, tiny_q4):

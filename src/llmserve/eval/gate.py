@@ -49,7 +49,10 @@ class ConfigResult:
     failures: list[str] = field(default_factory=list)
 
 
-def _engine(model: Optional[str], settings: dict, window: int, num_threads: Optional[int]):
+def eval_engine(model: Optional[str], settings: dict, window: int,
+                num_threads: Optional[int] = None):
+    """An eager engine for scoring ``window``-token windows with ``settings`` (a preset's
+    engine settings), prefix cache off."""
     from llmserve.llm_engine import LLMEngine
 
     cfg = EngineConfig.from_kwargs(model=model, enable_prefix_caching=False, enforce_eager=True,
@@ -98,7 +101,7 @@ def evaluate_config(name: str, model: Optional[str], text_ids: list[int], window
                     num_threads: Optional[int] = None):
     """Run one preset: (result, log-probs of every scored text position, their targets)."""
     t0 = time.time()
-    engine = _engine(model, PRESETS[name].settings, window, num_threads)
+    engine = eval_engine(model, PRESETS[name].settings, window, num_threads)
     windows = [text_ids[i:i + window] for i in range(0, len(text_ids), window)]
     windows = [w for w in windows if len(w) >= 2]
     logps, targets = [], []

@@ -164,6 +164,10 @@ def test_auto_activations_keep_bf16_for_the_attention_input_of_int4_groups():
     if native_qblock_available():           # a block-format q/k/v keeps its int8 kernel
         q6 = [gguf_blocks(Q.Q6_K, 32, 256, seed=s) for s in (4, 5)]
         assert _fused(mixed, q6, role=ATTENTION_INPUT).qformat == "gguf-q6_k-a8"
+        # a split q/k/v (Q4_0 q/k beside a Q6_K v): its int4 part takes bf16 activations
+        split = _fused(mixed, q4[:2] + q6[:1], role=ATTENTION_INPUT)
+        assert split.qformat == "split:int4-g32+gguf-q6_k-a8"
+        assert torch.equal(split.qweight.parts[0](x), bf16.qweight(x)[:, :96])
 
 
 @needs_qblock

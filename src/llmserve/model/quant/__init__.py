@@ -80,13 +80,12 @@ def _int8_products_without_bf16(int4_activations: str, device: torch.device) -> 
             and native_int4_a8_available())
 
 
-def _bf16_attention_input(int4_activations: str, int8_activations: bool,
-                          dtype: torch.dtype) -> bool:
+def _bf16_attention_input(int4_activations: str, int8_activations: bool) -> bool:
     """``auto``'s one exception to int8 activations: the q/k/v projection's int4 products keep
-    bf16 activations where the native bf16 int4 kernel runs (a bf16 model on the
-    AVX512-BF16 tier); ``int8`` quantizes every product's activations."""
-    return (int4_activations == "auto" and int8_activations and dtype == torch.bfloat16
-            and native_int4_available())
+    bf16 activations where the native bf16 int4 kernel runs (the AVX512-BF16 tiers; not the
+    avx2 tier, whose float32 rows all meet int8 kernels); ``int8`` quantizes every
+    product's activations."""
+    return int4_activations == "auto" and int8_activations and native_int4_available()
 
 
 def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
@@ -112,7 +111,7 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
                 dtype == torch.float32 and _int8_products_without_bf16(int4_activations,
                                                                        device))):
             a8 = int4_int8_activations(int4_activations, device)
-            mixed = _bf16_attention_input(int4_activations, a8, dtype)
+            mixed = _bf16_attention_input(int4_activations, a8)
             return GGUFLinearMethod(a8, mixed) if gguf else Int4CheckpointLinearMethod(a8, mixed)
         if packed_file:
             logger.info("quantization auto: %s weights dequantized to %s (packed kernels need "
@@ -125,7 +124,7 @@ def select_linear_method(quantization: str, group_size: int, model: ModelConfig,
     if quantization == "int8":
         return Int8LinearMethod()
     a8 = int4_int8_activations(int4_activations, device)
-    return Int4LinearMethod(group_size, a8, _bf16_attention_input(int4_activations, a8, dtype))
+    return Int4LinearMethod(group_size, a8, _bf16_attention_input(int4_activations, a8))
 
 
 def describe_quantization(model: nn.Module) -> str:

@@ -130,7 +130,7 @@ class QuantizedLinearMethod(LinearMethod):
         #: int4 layers quantize their activations to int8 (``--int4-activations``)
         self.int8_activations = int8_activations
         #: ... except an attention input projection held as int4 groups, which keeps bf16
-        #: activations (``--int4-activations auto``; see :func:`layer_int8_activations`)
+        #: activations (``--int4-activations auto``; see :meth:`layer_int8_activations`)
         self.bf16_attention_input = bf16_attention_input
 
     def layer_int8_activations(self, layer: Linear, fmt: str) -> bool:
@@ -140,7 +140,8 @@ class QuantizedLinearMethod(LinearMethod):
         activations: its rounding errors reach the attention scores inside an exponential,
         and measured per kind of layer it is where int8 activations cost the most quality
         for the time they save (docs/QUANTIZATION.md, "Which products take int8 activations").
-        Block-format layers keep int8 activations (their kernels take no others).
+        Block-format layers keep int8 activations (their kernels take no others); in a
+        split layer (``fmt`` ``"split"``) the int4 parts follow this rule as ``"int4"``.
         """
         if self.bf16_attention_input and fmt == "int4" and layer.role == ATTENTION_INPUT:
             return False
@@ -225,7 +226,7 @@ class QuantizedLinearMethod(LinearMethod):
         elif fmt == "qblock":
             layer.qweight = QBlockWeight(BlockCodes.cat([s.values for s in shards]))
         elif fmt == "split":
-            layer.qweight = SplitWeight(self._split_parts(shards))
+            layer.qweight = SplitWeight(self._split_parts(layer, shards))
         elif fmt == "int8":   # with int8 activations where the tier's int8 x int8 kernel runs
             layer.qweight = Int8Weight(*quantize_int8(torch.cat([s.as_float() for s in shards])),
                                        int8_activations=self.int8_activations)
@@ -239,7 +240,7 @@ class QuantizedLinearMethod(LinearMethod):
         if fmt in ("int4", "qblock", "split", "int8"):
             layer.qformat = layer.qweight.format_name
 
-    def _split_parts(self, shards: list[Shard]) -> "list[nn.Module]":
+    def _split_parts(self, layer: Linear, shards: list[Shard]) -> "list[nn.Module]":
         """One weight per run of consecutive shards of one kind (int4 groups of one size and
         input order, a block type)."""
         runs: list[list[Shard]] = []
@@ -254,7 +255,8 @@ class QuantizedLinearMethod(LinearMethod):
         for run in runs:
             if run[0].origin == EXACT_INT4:
                 parts.append(Int4Weight(Int4Groups.cat([s.values for s in run]),
-                                        int8_activations=self.int8_activations))
+                                        int8_activations=self.layer_int8_activations(layer,
+                                                                                     "int4")))
             else:
                 parts.append(QBlockWeight(BlockCodes.cat([s.values for s in run])))
         return parts

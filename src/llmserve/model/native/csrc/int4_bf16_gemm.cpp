@@ -42,7 +42,9 @@ constexpr int kChunkBytes = 32; // 4 k's x 16 channels x 4 bits
 constexpr int kMaxRows = 4;     // activation rows per tile (x 4 chains: 16 accumulators)
 constexpr int64_t kPrefetchBytes = 2048;  // row tiles: prefetch distance of the codes,
 constexpr int64_t kPrefetchGroups = 8;    // ... and of the scales (in groups)
-constexpr int64_t kPanelMinRows = 64;  // from here: expanded panels (int4_mm_panels)
+// from here: expanded panels (int4_mm_panels); at 16-48 rows they take 0.83-0.94x the row
+// tiles' time (each tile of 4 rows unpacks the codes again), at 8 rows the same
+constexpr int64_t kPanelMinRows = 16;
 
 struct CodeTable {
   alignas(64) uint16_t words[32];
@@ -128,7 +130,7 @@ constexpr StripFn kStripFns[kMaxRows + 1] = {
     strip_rows<1>, strip_rows<2>, strip_rows<3>, strip_rows<4>,
 };
 
-// ---- many rows (prefill chunks): codes of two strips expanded once, then 4 x 2 tiles ----
+// ---- many rows (decode batches, prefill chunks): codes of two strips expanded once ----
 //
 // From kPanelMinRows rows the codes (q - 8) of two strips are expanded to bf16 (exact) once
 // into a per-thread buffer of (k, k+1) pair vectors, so tiles of 6 rows x 2 strips spend no
