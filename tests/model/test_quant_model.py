@@ -15,6 +15,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.layers.linear import DenseLinearMethod, Linear
 from llmserve.model.loading.loader import load_model_config, open_checkpoint
+from llmserve.model.native.ops import cpu_tier
 from llmserve.model.quant import select_linear_method
 from llmserve.model.quant.methods import GGUFLinearMethod, Int4LinearMethod, Int8LinearMethod
 from llmserve.model.quant.native_int4 import native_int4_a8_available, native_int4_available
@@ -128,7 +129,10 @@ def test_method_choice(tiny_hf, tiny_q4):
     hf_cfg = load_model_config(tiny_hf)
     bf16, fp32 = torch.bfloat16, torch.float32
     assert isinstance(select_linear_method("auto", 32, gguf_cfg, bf16, cpu), GGUFLinearMethod)
-    assert isinstance(select_linear_method("auto", 32, gguf_cfg, fp32, cpu), DenseLinearMethod)
+    # float32 dequantizes, except on the avx2 tier (its int8-activation kernels, no native bf16)
+    fp32_packed = cpu_tier() == "avx2" and native_int4_a8_available()
+    assert isinstance(select_linear_method("auto", 32, gguf_cfg, fp32, cpu),
+                      GGUFLinearMethod if fp32_packed else DenseLinearMethod)
     assert isinstance(select_linear_method("auto", 32, hf_cfg, bf16, cpu), DenseLinearMethod)
     assert isinstance(select_linear_method("none", 32, gguf_cfg, bf16, cpu), DenseLinearMethod)
     assert isinstance(select_linear_method("int8", 32, hf_cfg, fp32, cpu), Int8LinearMethod)

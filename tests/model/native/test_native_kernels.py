@@ -302,6 +302,7 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native, "_state", {"fakes": True})
     monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "cpu_flags", lambda: set(native.REQUIRED_CPU_FLAGS))
+    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)   # a forced lower tier builds nothing
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setattr(native.shutil, "which",
                         lambda name: "/bin/false" if name == "/bin/false" else None)

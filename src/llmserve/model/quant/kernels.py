@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _N_ALIGN = 16
+#: K of PyTorch's ``_weight_int8pack_mm`` (other widths crashed it: Int8Weight pads)
+_K_ALIGN_ATEN = 16
 
 
 @dataclass
@@ -263,9 +265,15 @@ class Int8Weight(nn.Module):
         if native and not self.native:
             raise ValueError("the native int8 kernel is not available for this weight/machine")
         scale = scale.to(KERNEL_DTYPE)
+        #: zero columns PyTorch's kernel needs (it reads K in steps of 16 and crashed on
+        #: other widths); ``x`` gets as many zeros in each call
+        self.k_pad = 0
         if self.native:   # packing pads N to 16 with zero rows: give them a zero scale
             q = pack_int8_a8(q) if self.int8_activations else pack_int8(q)
             scale = torch.cat([scale, scale.new_zeros(q.shape[0] * 16 - self.out_features)])
+        elif self.in_features % _K_ALIGN_ATEN:
+            self.k_pad = -self.in_features % _K_ALIGN_ATEN
+            q = torch.cat([q, q.new_zeros(self.out_features, self.k_pad)], 1)
         self.register_buffer("qweight", q.contiguous(), persistent=False)
         self.register_buffer("scale", scale.contiguous(), persistent=False)
 
@@ -278,6 +286,8 @@ class Int8Weight(nn.Module):
         if self.native:
             y = self._native_product(x2, False)
         else:
+            if self.k_pad:
+                x2 = torch.nn.functional.pad(x2, (0, self.k_pad))
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
@@ -294,16 +304,19 @@ class Int8Weight(nn.Module):
         the kernel cannot take it: see ``int8_activations``)."""
         if self.int8_activations:
             return self
-        q = self.qweight
         if self.native:
-            q = packed_rows(q, torch.arange(self.out_features, device=q.device))
+            q = packed_rows(self.qweight, torch.arange(self.out_features,
+                                                       device=self.qweight.device))
+        else:
+            q = self.qweight[:, :self.in_features]
         other = Int8Weight(q, self.scale[:self.out_features], int8_activations=True)
         return other if other.int8_activations else self
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows ``ids`` (an embedding lookup in the same table)."""
         flat = ids.reshape(-1)
-        q = packed_rows(self.qweight, flat) if self.native else self.qweight.index_select(0, flat)
+        q = packed_rows(self.qweight, flat) if self.native else \
+            self.qweight[:, :self.in_features].index_select(0, flat)
         s = self.scale.index_select(0, flat)
         out = q.to(dtype) * s.to(dtype).unsqueeze(-1)
         return out.view(*ids.shape, self.in_features)
