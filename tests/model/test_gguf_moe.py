@@ -87,8 +87,12 @@ def test_quantized_moe_gguf_serves_with_packed_experts(q8_moe, caplog):
     assert packed.engine.runner.compiled is None
     assert "mixture-of-experts" in caplog.text
     # 2 layers x (qkv, o, 4 experts x 2, shared expert x 2) + lm_head = 25 packed matrices
+    from llmserve.model.quant.native_int8 import native_int8_a8_available
     from llmserve.model.quant.native_qblock import native_qblock_available
-    fmt = "gguf-q8_0-a8" if native_qblock_available() else "int8"
+    # the file's Q8_0 blocks where the block kernel runs; else int8 per channel, with int8
+    # activations where the tier's int8 x int8 kernel runs (the avx2 tier)
+    fmt = "gguf-q8_0-a8" if native_qblock_available() else \
+        "int8-a8" if native_int8_a8_available() else "int8"
     assert f"{fmt}x25" in packed.engine.runner.quantization
     dense = LLM(path, dtype="float32", num_kv_blocks=64)
     prompt = [list(range(100, 137))]

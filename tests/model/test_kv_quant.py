@@ -57,7 +57,9 @@ def test_backends_read_quantized_cache_like_its_values(dtype, backend_name):
     """Attention over a quantized cache equals attention over a float cache holding the
     dequantized values: the backend dequantizes exactly what was stored."""
     gen = torch.Generator().manual_seed(0)
-    backend = make_backend(backend_name, H, HKV, D, BS)
+    # built for the quantized cache, as the engine builds it (a float32 one would take the
+    # avx2 tier's native decode, which reads float caches only)
+    backend = make_backend(backend_name, H, HKV, D, BS, kv_dtype=dtype)
     qk, qv = _caches(dtype)
     fk, fv = torch.zeros(qk.shape[0], HKV, D), torch.zeros(qk.shape[0], HKV, D)
     tables = torch.tensor([[0, 1, 2, 12], [3, 4, 5, 6], [7, 8, 12, 12]])

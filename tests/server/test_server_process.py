@@ -46,9 +46,14 @@ def test_streamed_cjk_and_emoji_equal_non_streamed(base_url):
     prompt = "翻译成中文并加表情：你好，世界！🙂🎉 我喜欢学习。日本語も少し。"
     kw = dict(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=48, temperature=1.0,
               seed=11, extra_body={"ignore_eos": True})
-    full = c.completions.create(**kw).choices[0].text
+    done = c.completions.create(**kw).choices[0]
+    full = done.text
     pieces = [ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices]
     assert "".join(pieces) == full
+    # a cut at max_tokens inside a character's bytes ends the text (both ways alike) with one
+    # replacement character, as decoding the token ids does; never before the end
+    if done.finish_reason == "length" and full.endswith("\ufffd"):
+        full, pieces[-1] = full.rstrip("\ufffd"), pieces[-1].rstrip("\ufffd")
     assert "\ufffd" not in full and all("\ufffd" not in p for p in pieces)
     assert any(ord(ch) > 127 for ch in full)  # multi-byte characters really streamed
 

@@ -12,6 +12,7 @@ import sys
 
 import httpx
 import pytest
+import torch
 
 from llmserve.model.native.ops import CPU_TIERS, cpu_tier
 from llmserve.model.platform import cpu_flags
@@ -113,13 +114,19 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
                                 dict(dtype="float32")])
 def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     """The backend picks the native decode kernel at construction, from the model and KV
-    dtypes (no check per call); a quantized or float32 cache never gets it, and the plan
-    says so."""
+    dtypes (no check per call); a quantized cache never gets it, nor a float32 one beside
+    the bf16 kernels (the avx2 tier's kernel reads float32 caches), and the plan says so."""
     from llmserve import LLM, SamplingParams
+    from llmserve.model.attention.native_decode import (
+        native_decode_available,
+        native_decode_dtypes,
+    )
 
     llm = LLM(tiny_q5, num_kv_blocks=64, block_size=16, enforce_eager=True, **kw)
-    assert llm.engine.runner.backend.native_decode is False
-    assert llm.engine.runner.kernel_plan["attention"]["decode"] == "torch"
+    native = (kw.get("kv_cache_dtype") is None and native_decode_available()
+              and torch.float32 in native_decode_dtypes())
+    assert llm.engine.runner.backend.native_decode is native
+    assert (llm.engine.runner.kernel_plan["attention"]["decode"] == "torch") is not native
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0,
                                                       ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
