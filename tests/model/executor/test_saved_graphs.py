@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.native.ops import cpu_tier
 from llmserve.model.executor.graph_store import GraphStore, model_signature, source_digest
+from llmserve.model.native.ops import cpu_tier
 from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
