@@ -25,20 +25,6 @@ import torch
 from torch import nn
 
 
-def _score(engine, text_ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from llmserve.eval import gate, metrics
-
-    logps, targets = [], []
-    for i in range(0, len(text_ids), window):
-        w = text_ids[i:i + window]
-        if len(w) < 2:
-            continue
-        _, (logits,) = gate.run_prompts(engine, [w], 1, capture=True)
-        logps.append(metrics.log_probs(logits[:-1, :engine.vocab_size]))
-        targets.append(torch.tensor(w[1:]))
-    return torch.cat(logps), torch.cat(targets)
-
-
 def _kind(name: str) -> str:
     """``layers.3.self_attn.qkv_proj.qweight`` -> ``qkv_proj``; the embedding table -> head."""
     return name.split(".")[-2] if name.startswith("layers.") else "head"
@@ -84,7 +70,7 @@ def main(argv: "list[str] | None" = None) -> int:
     text_ids = Tokenizer.from_path(path).encode(text)[:args.max_tokens]
     settings = dict(PRESETS["packed"].settings)
     ref = gate.eval_engine(path, PRESETS["fp32"].settings, args.window, None)
-    ref_logp, targets = _score(ref, text_ids, args.window)
+    ref_logp, targets = gate.score_text(ref, text_ids, args.window)
     del ref
     a8 = gate.eval_engine(path, dict(settings, int4_activations="int8"), args.window, None)
     a16 = gate.eval_engine(path, dict(settings, int4_activations="bf16"), args.window, None)
@@ -100,7 +86,7 @@ def main(argv: "list[str] | None" = None) -> int:
     def report(label: str, moved: list[str]) -> None:
         for n in moved:
             _swap(m8, n, bf16_weights[n])
-        logp, _ = _score(a8, text_ids, args.window)
+        logp, _ = gate.score_text(a8, text_ids, args.window)
         for n in moved:
             _swap(m8, n, int8_weights[n])
         row = dict(bf16=label, tokens=len(text_ids),

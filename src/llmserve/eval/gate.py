@@ -96,21 +96,25 @@ def run_prompts(engine, prompts: list[list[int]], max_tokens: int, capture: bool
     return [tokens.get(r, []) for r in rids], prompt_logits
 
 
+def score_text(engine, text_ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of every scored position of ``text_ids`` (windows of ``window`` tokens, each
+    a fresh prompt) and the tokens they predict: ``(logp (N, V), targets (N,))``."""
+    windows = [text_ids[i:i + window] for i in range(0, len(text_ids), window)]
+    logps, targets = [], []
+    for w in (w for w in windows if len(w) >= 2):
+        _, (logits,) = run_prompts(engine, [w], 1, capture=True)
+        logps.append(metrics.log_probs(logits[:-1, :engine.vocab_size]))
+        targets.append(torch.tensor(w[1:]))
+    return torch.cat(logps), torch.cat(targets)
+
+
 def evaluate_config(name: str, model: Optional[str], text_ids: list[int], window: int,
                     prompt_ids: list[list[int]], continuation_tokens: int,
                     num_threads: Optional[int] = None):
     """Run one preset: (result, log-probs of every scored text position, their targets)."""
     t0 = time.time()
     engine = eval_engine(model, PRESETS[name].settings, window, num_threads)
-    windows = [text_ids[i:i + window] for i in range(0, len(text_ids), window)]
-    windows = [w for w in windows if len(w) >= 2]
-    logps, targets = [], []
-    for w in windows:
-        _, (logits,) = run_prompts(engine, [w], 1, capture=True)
-        vocab = engine.vocab_size
-        logps.append(metrics.log_probs(logits[:-1, :vocab]))
-        targets.append(torch.tensor(w[1:]))
-    logp, target = torch.cat(logps), torch.cat(targets)
+    logp, target = score_text(engine, text_ids, window)
     greedy, _ = run_prompts(engine, prompt_ids, continuation_tokens, capture=False)
     runner = engine.runner
     result = ConfigResult(name=name, quantization=runner.quantization, kv_dtype=engine.kv_dtype,
