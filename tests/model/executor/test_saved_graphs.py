@@ -15,10 +15,10 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.executor.graph_store import GraphStore, model_signature, source_digest
-from llmserve.model.native.ops import cpu_tier
 from tests.model.tiny_checkpoints import make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -133,9 +133,30 @@ def test_a_graph_file_is_named_by_what_the_graph_bakes_in(tiny_path, tmp_path):
     assert len(source_digest()) == 64
 
 
-@pytest.mark.xfail(cpu_tier() == "none", strict=False,
-                   reason="open on the none tier (found 2026-12-07): a later engine in the "
-                          "same process compiles again instead of loading the saved graphs")
+def test_a_graph_file_name_does_not_change_once_the_model_has_been_traced():
+    """A module that holds an operator (the none tier's RMSNorm holds ``torch_rms_norm``)
+    is named by the operator, not by its attributes: tracing fills the operator's dispatch
+    cache, and the name once changed with it, so a later engine in the same process missed
+    the graphs an earlier one had saved and compiled them again."""
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.op = torch.ops.aten.mul.Tensor
+            self.fn = torch.nn.functional.silu
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fn(self.op(x, x))
+
+    holder = Holder()
+    before = model_signature(holder)
+    assert "op=aten.mul.Tensor" in before and "fn=torch.nn.functional.silu" in before
+    torch._dynamo.reset()
+    torch.compile(lambda x: holder(x), backend="aot_eager", fullgraph=True)(torch.randn(5))
+    assert model_signature(holder) == before
+    holder.op = torch.ops.aten.add.Tensor
+    assert model_signature(holder) != before
+
+
 def test_a_first_start_serves_eagerly_while_a_child_compiles(tiny_path, tmp_path,
                                                              monkeypatch):
     """``compile_in_background`` on an empty cache: the engine is ready at once with its

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import sys
@@ -78,6 +79,18 @@ def plain_attrs(obj: object) -> list[str]:
     return out
 
 
+def held_signature(value: object) -> list[str]:
+    """What a graph bakes in of an object a module holds: an operator or a function by its
+    name (their attributes include caches that fill up as they are traced, so describing
+    them by ``vars`` named a graph differently before and after a model first ran);
+    anything else by :func:`plain_attrs`."""
+    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return [f"op={value}"]
+    if inspect.isfunction(value) or inspect.isbuiltin(value):
+        return [f"fn={value.__module__}.{value.__qualname__}"]
+    return plain_attrs(value)
+
+
 def _plain_container(value: object) -> bool:
     """A tuple, list or dict of plain values (a fused projection's split sizes, a rope
     scaling config)."""
@@ -104,7 +117,7 @@ def model_signature(model: nn.Module) -> str:
         for key, value in sorted(vars(module).items()):
             if not key.startswith("_") and not isinstance(value, (nn.Module, torch.Tensor,
                                                                   *_PLAIN)):
-                lines.append(f"  {key}:{type(value).__qualname__}:{plain_attrs(value)}")
+                lines.append(f"  {key}:{type(value).__qualname__}:{held_signature(value)}")
         for key, t in [*module.named_parameters(recurse=False),
                        *module.named_buffers(recurse=False)]:
             lines.append(f"  {key}={tensor_signature(t)}")
