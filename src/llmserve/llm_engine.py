@@ -139,7 +139,9 @@ class LLMEngine:
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
             "block_size": self.config.cache.block_size,
-            "json_whitespace": self.config.model.json_whitespace,   # structured answers
+            # structured answers: the grammar options, so that a new bound on what
+            # ``flexible`` allows is a new fingerprint too
+            "json_whitespace": self.grammars.json_options,
             "pooling": self.config.model.pooling,                   # embeddings
         }
         blob = json.dumps(parts, sort_keys=True, default=str).encode()

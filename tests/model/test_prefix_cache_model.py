@@ -81,3 +81,14 @@ def test_fingerprint_covers_everything_that_changes_kv(tiny_path, tmp_path):
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     assert _fingerprint(templ) != base
+
+
+def test_fingerprint_follows_what_json_whitespace_allows(tiny_path, monkeypatch):
+    """Cached structured answers are keyed by the fingerprint: ``compact`` differs from
+    ``flexible``, and so does a new bound on what ``flexible`` lets through."""
+    from llmserve.structured_output import spec
+
+    base = _fingerprint(tiny_path)
+    assert _fingerprint(tiny_path, json_whitespace="compact") != base
+    monkeypatch.setattr(spec, "FLEXIBLE_WHITESPACE", r"\x20{1,4}")
+    assert _fingerprint(tiny_path) != base

@@ -86,3 +86,23 @@ def test_json_whitespace_decides_whether_pretty_printed_json_is_allowed(whitespa
     assert not accepts('{"a":"12","b":"x"}')       # the schema still holds either way
     with pytest.raises(ValueError, match="json_whitespace"):
         GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids, json_whitespace="pretty")
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{\n\n  "a": 12,\n  "b": "x"\n}', True),          # a blank line
+    ('{\n  "a": 12 \n  ,"b": "x"\n\n}', True),          # a space before a line break
+    ('{\t"a":\t12,\r\n\t"b": "x"}', True),           # tabs, CRLF
+    ('{\n\n\n  "a": 12, "b": "x"}', False),              # three line breaks in one run
+    ('{"a":' + " " * 9 + '12, "b": "x"}', False),        # nine spaces
+    ('{\n' + " " * 33 + '"a": 12, "b": "x"}', False),   # an indentation of 33
+])
+def test_flexible_json_whitespace_takes_what_models_emit_and_stays_bounded(text, ok):
+    """``flexible`` lets through the whitespace a model writes in JSON on its own (blank
+    lines, a space before a line break; masking them bent a third of the default model's
+    sampled answers) and still bounds a run between two tokens, so sampling cannot pad an
+    answer with blank lines until ``max_tokens``."""
+    tok = default_tokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    matcher = compiler.compile(StructuredOutputSpec("json", SCHEMA)).new_matcher()
+    accepted = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+    assert (accepted and matcher.is_accepting()) is ok

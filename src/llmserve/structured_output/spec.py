@@ -33,10 +33,13 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}
 #: ``--json-whitespace``: what may stand between the tokens of a JSON answer.
 JSON_WHITESPACE = ("flexible", "compact")
-#: ``flexible``'s whitespace between two JSON tokens: a few spaces, or one line break and
-#: an indentation (pretty-printed JSON); bounded, so that sampling cannot wander into an
-#: endless run of blank lines.
-FLEXIBLE_WHITESPACE = r"[\x20\x09]{1,4}|\x0D?\x0A[\x20\x09]{0,32}"
+#: ``flexible``'s whitespace between two JSON tokens: up to 8 spaces or tabs, then at most
+#: two line breaks, each followed by up to 32 spaces or tabs of indentation. That takes the
+#: whitespace models emit in JSON on their own (a blank line, a space before a line break,
+#: pretty-printed indentation), which a one-line-break bound masked in a third of sampled
+#: answers, and it is bounded, so that sampling cannot wander into an endless run of blank
+#: lines (docs/STRUCTURED_OUTPUTS.md, "Whitespace in JSON answers").
+FLEXIBLE_WHITESPACE = r"[\x20\x09]{1,8}|[\x20\x09]{0,8}(\x0D?\x0A[\x20\x09]{0,32}){1,2}"
 
 
 def json_options(whitespace: str) -> dict[str, Any]:
