@@ -150,7 +150,6 @@ def test_a_graph_file_name_does_not_change_once_the_model_has_been_traced():
     holder = Holder()
     before = model_signature(holder)
     assert "op=aten.mul.Tensor" in before and "fn=torch.nn.functional.silu" in before
-    torch._dynamo.reset()
     torch.compile(lambda x: holder(x), backend="aot_eager", fullgraph=True)(torch.randn(5))
     assert model_signature(holder) == before
     holder.op = torch.ops.aten.add.Tensor
