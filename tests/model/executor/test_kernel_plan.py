@@ -114,8 +114,9 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
                                 dict(dtype="float32")])
 def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     """The backend picks the native decode kernel at construction, from the model and KV
-    dtypes (no check per call); a quantized cache never gets it, nor a float32 one beside
-    the bf16 kernels (the avx2 tier's kernel reads float32 caches), and the plan says so."""
+    dtypes (no check per call); a quantized cache never gets it, a float32 one does where
+    the avx2 library's float32 kernel is loaded (its tier, or beside the AVX-512 library),
+    and the plan says so."""
     from llmserve import LLM, SamplingParams
     from llmserve.model.attention.native_decode import (
         native_decode_available,

@@ -11,11 +11,13 @@ docs/BENCHMARKS.md).
 
 Each CPU tier's library has one (``llmserve_native::paged_decode`` on the AVX-512 tiers,
 ``llmserve_avx2::paged_decode`` on the avx2 tier: ``csrc/avx2/paged_decode_avx2.cpp``, the
-same contract in 8-lane vectors); :func:`native_decode_available` picks the tier's, once.
-Used for decode rows when the library is loaded and checked (``PagedBackend.native_decode``,
-decided once from the model and KV dtypes):
-bf16 queries and a bf16 KV cache on CPU, a head size that is a multiple of 16. Quantized KV
-caches, other dtypes and other devices keep the compiled/eager paths.
+same contract in 8-lane vectors, for bf16 or float32); :func:`native_decode_available` picks
+the tier's, once, and float32 queries on the AVX-512 tiers take the avx2 library's, loaded
+beside it (the AVX-512 kernel reads bf16 caches only). Used for decode rows and prompt rows
+when the library is loaded and checked (``PagedBackend.native_decode``, decided once from the
+model and KV dtypes): queries and a KV cache of one dtype it serves, on CPU, a head size that
+is a multiple of 16. Quantized KV caches, other dtypes and other devices keep the
+compiled/eager paths.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ import torch
 
 from llmserve.model.native.ops import kernel_checked, tier_ops
 
-#: The tier library's ``paged_decode`` (looked up by :func:`_decode_op`)
-_PAGED_DECODE: "Any | None" = None
+#: ``paged_decode`` of each query/cache dtype (filled by :func:`_decode_ops`)
+_PAGED_DECODE: "dict[torch.dtype, Any]" = {}
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,28 +36,37 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: Optional[float] = None) -> torch.Tensor:
     """``q (B, H, D)`` against cached rows ``slots (B, L)`` where ``valid (B, L)`` ->
     ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`."""
-    return _decode_op()(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
+    op = _PAGED_DECODE.get(q.dtype) or _decode_ops()[q.dtype]
+    return op(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
 
 
-def _decode_op() -> Any:
-    """This CPU tier's ``paged_decode`` operator, looked up once."""
-    global _PAGED_DECODE
-    if _PAGED_DECODE is None:
+def _decode_ops() -> "dict[torch.dtype, Any]":
+    """The ``paged_decode`` operator of each dtype this tier serves, looked up once: the
+    tier library's for bf16 (and float32 on the avx2 tier); on the AVX-512 tiers float32
+    takes the avx2 library's, which reads float32 caches (the AVX-512 library's reads bf16
+    only)."""
+    from llmserve.model.native.ops import avx2_library_loaded, cpu_tier
+
+    if not _PAGED_DECODE:
         ops = tier_ops()
         if ops is None:
             raise RuntimeError("paged_decode_native: no native library on this CPU tier")
-        _PAGED_DECODE = ops.paged_decode
+        _PAGED_DECODE[torch.bfloat16] = ops.paged_decode
+        if cpu_tier() == "avx2":
+            _PAGED_DECODE[torch.float32] = ops.paged_decode
+        elif avx2_library_loaded():
+            _PAGED_DECODE[torch.float32] = torch.ops.llmserve_avx2.paged_decode
     return _PAGED_DECODE
 
 
 def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
-    """The query / cache dtypes the tier's kernel takes: bf16, and float32 on the avx2 tier
-    (a CPU without native bf16 runs float32 models)."""
-    from llmserve.model.native.ops import tier_library
-
-    if tier_library() == "llmserve_avx2":
-        return (torch.bfloat16, torch.float32)
-    return (torch.bfloat16,)
+    """The query / cache dtypes the tier's kernels take: bf16, and float32 where the avx2
+    library is loaded (its own tier, or beside the AVX-512 library for ``--dtype
+    float32``: a CPU without native bf16 runs float32 models, and exact fp32 runs them
+    anywhere)."""
+    if tier_ops() is None:
+        return ()
+    return tuple(_decode_ops())
 
 
 def _self_test() -> bool:

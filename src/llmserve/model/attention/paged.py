@@ -9,11 +9,11 @@ decode, so speculation does not change a greedy token), and prefill chunks run o
 decode-like row per query against its own causal keys (:func:`_native_prefill_rows`),
 faster than SDPA with a mask on these shapes (docs/BENCHMARKS.md).
 
-Without the native kernel (the none tier, a quantized or float32 KV cache) eager decode rows
+Without the native kernel (the none tier, a quantized KV cache) eager decode rows
 gather their blocks and call SDPA (:func:`torch_decode_attention`), and prefill chunks take
 the reference backend's grouped gather + SDPA. On the none tier compiled decodes call the
-same op, so a row attends alike in both; where the tier has a library (an int8 or float32
-cache beside its bf16 kernels) compiled decode and verify steps write the attention as
+same op, so a row attends alike in both; where the tier has a library (an int8 cache)
+compiled decode and verify steps write the attention as
 reductions inductor turns into loops over the cache (:func:`paged_decode_inplace`,
 :func:`paged_verify_inplace`), faster but summed in inductor's order::
 
@@ -96,7 +96,7 @@ def _torch_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, valid: torch.Tensor, block_size: int,
                            scale: float, softcap: float) -> torch.Tensor:
-    """Decode rows without the native kernel (the none tier, quantized or float32 KV): the
+    """Decode rows without the native kernel (the none tier, a quantized KV cache): the
     gathered blocks and SDPA of :func:`decode_group_attention`, behind one op, so a compiled
     decode step attends exactly as an eager mixed step does (inductor's own loops summed in
     another order, and a sequence's logits then depended on whether a prefill shared its
@@ -139,16 +139,18 @@ class PagedBackend(ReferenceBackend):
                  device: Optional[torch.device] = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         # decided here, once, never inside a traced step (the first check builds and tests
-        # the kernel): it serves CPU queries over a cache of their dtype (bf16; float32 too
-        # on the avx2 tier), head sizes of 16k
+        # the kernel): it serves CPU queries over a cache of their dtype (bf16, and float32
+        # where the avx2 library is loaded: its own tier, or beside the AVX-512 one), head
+        # sizes of 16k
         self.native_decode = ((device is None or device.type == "cpu") and dtype == kv_dtype
                               and head_dim % 16 == 0 and native_decode_available()
                               and dtype in native_decode_dtypes())
         # eager steps write their K/V rows by native row copies (compiled steps keep the
         # copy inductor fuses with the rotary embedding): the same bytes
-        self.native_store = self.native_decode and native_kv_store_available()
+        self.native_store = (self.native_decode and kv_dtype == torch.bfloat16
+                             and native_kv_store_available())
         # without the kernel, compiled decodes attend by inductor's loops where the tier has
-        # a library (an int8 or float32 KV cache beside bf16 kernels: 1.3-1.7x faster steps
+        # a library (an int8 KV cache: 1.3-1.7x faster steps
         # at c=32-64 than the eager op, but a decode may then differ from the same row in
         # a mixed eager step), and by the eager gather + SDPA op on the none tier, whose
         # point is the exact fallback (a CPU-only op: other devices keep inductor's loops)

@@ -27,7 +27,7 @@ itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csr
 built with nothing beyond ``-mavx2 -mfma -mf16c``), serves the ``avx2`` tier: ``int4_a8_mm``
 and ``int8_a8_mm`` on the same packed layouts with the same results (vpmaddubsw/vpmaddwd in
 place of vpdpbusd; :func:`a8_ops` picks the namespace once), its own ``paged_decode`` (bf16
-or float32 caches), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
+or float32 caches; the AVX-512 tiers load this library too, for float32 decodes), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
 lower tier than the CPU has, so every tier runs on one machine (:func:`cpu_tier`):
 ``avx512_vnni`` (everything), ``avx512_bf16`` (no int8-activation kernels), ``avx2`` (the
 avx2 library's int8-activation products; PyTorch's for the rest) or ``none`` (no native
@@ -281,7 +281,7 @@ def native_available() -> bool:
 def _load_avx2() -> bool:
     if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
         return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or cpu_tier() != "avx2":
+    if platform.machine().lower() not in ("x86_64", "amd64") or cpu_tier() == "none":
         return False
     cxx = _compiler()
     if cxx is None:
@@ -303,12 +303,20 @@ def _load_avx2() -> bool:
     return True
 
 
-def avx2_available() -> bool:
-    """The avx2 tier's library (``llmserve_avx2``: the int8-activation products) is built and
-    loaded: only where :func:`cpu_tier` is ``avx2`` (decided once per process)."""
+def avx2_library_loaded() -> bool:
+    """The avx2 tier's library (``llmserve_avx2``) is built and loaded, on any tier from
+    avx2 up (decided once per process): the avx2 tier's own kernels, and on the AVX-512
+    tiers its float32 ``paged_decode`` (:mod:`llmserve.model.attention.native_decode`),
+    which the AVX-512 library does not have."""
     if "avx2" not in _state:
         _state["avx2"] = _load_avx2()
     return _state["avx2"]
+
+
+def avx2_available() -> bool:
+    """The avx2 tier's library serves this process's tier: :func:`cpu_tier` is ``avx2``
+    and the library is loaded."""
+    return cpu_tier() == "avx2" and avx2_library_loaded()
 
 
 def a8_ops() -> "Any | None":
