@@ -131,3 +131,24 @@ def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0,
                                                       ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_only_a_float32_model_loads_the_avx2_library_beside_the_avx512_one(tiny_q5):
+    """The avx2 library's float32 ``paged_decode`` is loaded on an AVX-512 tier when a
+    float32 model asks for it, never for a bf16 one (whose start-up must not build or load a
+    second library), each in a fresh process."""
+    if not cpu_tier().startswith("avx512"):
+        pytest.skip("only the AVX-512 tiers load a second library")
+    code = ("import sys, json; from llmserve import LLM; "
+            "llm = LLM(sys.argv[1], dtype=sys.argv[2], num_kv_blocks=64, enforce_eager=True); "
+            "from llmserve.model.native import ops; "
+            "print(json.dumps([ops._state.get('avx2', False), "
+            "llm.engine.runner.backend.native_decode]))")
+    got = {}
+    for dtype in ("bfloat16", "float32"):
+        proc = subprocess.run([sys.executable, "-c", code, tiny_q5, dtype], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["bfloat16"] == [False, True]
+    assert got["float32"] == [True, True]

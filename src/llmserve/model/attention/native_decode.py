@@ -41,11 +41,11 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _decode_ops() -> "dict[torch.dtype, Any]":
-    """The ``paged_decode`` operator of each dtype this tier serves, looked up once: the
-    tier library's for bf16 (and float32 on the avx2 tier); on the AVX-512 tiers float32
-    takes the avx2 library's, which reads float32 caches (the AVX-512 library's reads bf16
-    only)."""
-    from llmserve.model.native.ops import avx2_library_loaded, cpu_tier
+    """The ``paged_decode`` operator of each dtype, looked up once: the tier library's for
+    bf16 (and float32 on the avx2 tier); float32 on the AVX-512 tiers is added by
+    :func:`native_decode_serves` when a float32 model asks (the AVX-512 library's kernel
+    reads bf16 caches only)."""
+    from llmserve.model.native.ops import cpu_tier
 
     if not _PAGED_DECODE:
         ops = tier_ops()
@@ -54,25 +54,43 @@ def _decode_ops() -> "dict[torch.dtype, Any]":
         _PAGED_DECODE[torch.bfloat16] = ops.paged_decode
         if cpu_tier() == "avx2":
             _PAGED_DECODE[torch.float32] = ops.paged_decode
-        elif avx2_library_loaded():
-            _PAGED_DECODE[torch.float32] = torch.ops.llmserve_avx2.paged_decode
     return _PAGED_DECODE
 
 
+def native_decode_serves(dtype: torch.dtype) -> bool:
+    """A native ``paged_decode`` takes queries and a cache of ``dtype`` here (the library is
+    loaded and the kernel passed its self-test). Float32 on the AVX-512 tiers loads the avx2
+    library beside the AVX-512 one for its float32 kernel, on the first ask only, so a bf16
+    model never builds or loads it (decided once per process and dtype)."""
+    from llmserve.model.native.ops import avx2_library_loaded
+
+    if not native_decode_available():
+        return False
+    if dtype in _decode_ops():
+        return True
+    if dtype != torch.float32 or not avx2_library_loaded():
+        return False
+    _PAGED_DECODE.setdefault(torch.float32, torch.ops.llmserve_avx2.paged_decode)
+    if kernel_checked("paged_decode_float32", lambda: _self_test((torch.float32,)),
+                      library=avx2_library_loaded):
+        return True
+    _PAGED_DECODE.pop(torch.float32, None)
+    return False
+
+
 def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
-    """The query / cache dtypes the tier's kernels take: bf16, and float32 where the avx2
-    library is loaded (its own tier, or beside the AVX-512 library for ``--dtype
-    float32``: a CPU without native bf16 runs float32 models, and exact fp32 runs them
-    anywhere)."""
-    if tier_ops() is None:
-        return ()
-    return tuple(_decode_ops())
+    """The query / cache dtypes a native ``paged_decode`` takes here: bf16, and float32 where
+    the avx2 library serves it (its own tier, or beside the AVX-512 library)."""
+    return tuple(d for d in (torch.bfloat16, torch.float32) if native_decode_serves(d))
 
 
-def _self_test() -> bool:
+def _self_test(dtypes: "tuple[torch.dtype, ...] | None" = None) -> bool:
+    """``paged_decode`` of each of ``dtypes`` (default: the tier library's own) against the
+    PyTorch reference."""
     from llmserve.model.attention.paged import paged_decode_inplace
+
     gen = torch.Generator().manual_seed(0)
-    for dtype in native_decode_dtypes():
+    for dtype in tuple(_decode_ops()) if dtypes is None else dtypes:
         kc = torch.randn(64, 2, 64, generator=gen).to(dtype)
         vc = torch.randn(64, 2, 64, generator=gen).to(dtype)
         q = torch.randn(3, 6, 64, generator=gen).to(dtype)

@@ -29,8 +29,7 @@ import torch
 from llmserve.model.attention.backend import AttentionMetadata, GroupMetadata, StepBatch, write_kv
 from llmserve.model.attention.native_decode import (
     kv_store_native,
-    native_decode_available,
-    native_decode_dtypes,
+    native_decode_serves,
     native_kv_store_available,
     paged_decode_native,
 )
@@ -143,8 +142,7 @@ class PagedBackend(ReferenceBackend):
         # where the avx2 library is loaded: its own tier, or beside the AVX-512 one), head
         # sizes of 16k
         self.native_decode = ((device is None or device.type == "cpu") and dtype == kv_dtype
-                              and head_dim % 16 == 0 and native_decode_available()
-                              and dtype in native_decode_dtypes())
+                              and head_dim % 16 == 0 and native_decode_serves(dtype))
         # eager steps write their K/V rows by native row copies (compiled steps keep the
         # copy inductor fuses with the rotary embedding): the same bytes
         self.native_store = (self.native_decode and kv_dtype == torch.bfloat16
