@@ -285,7 +285,8 @@ def test_engine_attends_with_the_native_kernel_as_without(tiny_path, monkeypatch
     native kernel give the logits of the engine without it."""
     llm, tokens, steps = _logits(tiny_path, max_num_batched_tokens=budget)
     assert llm.engine.runner.backend.native_decode
-    monkeypatch.setattr("llmserve.model.attention.paged.native_decode_available", lambda: False)
+    monkeypatch.setattr("llmserve.model.attention.paged.native_decode_serves",
+                        lambda dtype: False)
     off, ref_tokens, ref_steps = _logits(tiny_path, max_num_batched_tokens=budget)
     assert not off.engine.runner.backend.native_decode
     assert len(steps) == len(ref_steps)
