@@ -113,19 +113,19 @@ def test_logits_are_the_same_alone_batched_chunked_and_cached(gguf_path, params)
     assert_same(alone, got, "after a prefix-cache hit")
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_speculation_gives_the_logits_of_plain_decoding(gguf_path, method):
+@pytest.mark.parametrize("method,kv", [("ngram", "auto"), ("suffix", "auto"), ("ngram", "int8")])
+def test_speculation_gives_the_logits_of_plain_decoding(gguf_path, method, kv):
     """Drafts (n-gram or suffix decoding) verified in a compiled verify step: each emitted
     token comes from the same logits as without speculation (the verify rows run as the
-    decodes at their positions)."""
+    decodes at their positions), over a bf16 or an int8 KV cache."""
     loop = [[(5 * i + j % 7) % 400 + 3 for j in range(42 + 9 * i)] for i in range(6)]
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    plain = engine(gguf_path, enable_prefix_caching=False)
+    plain = engine(gguf_path, enable_prefix_caching=False, kv_cache_dtype=kv)
     alone = [run(plain, [p], long) for p in loop]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     extra = dict(ngram_min=2, ngram_max=3) if method == "ngram" else {}
     spec = engine(gguf_path, enable_prefix_caching=False, speculative_method=method,
-                  num_speculative_tokens=3, **extra)
+                  num_speculative_tokens=3, kv_cache_dtype=kv, **extra)
     assert spec.engine.runner.compiled_verify is not None
     # alone, every step with drafts is a compiled verify step; together, mixed steps
     # verify eagerly
@@ -303,3 +303,31 @@ def test_a_float32_model_gives_the_same_logits_alone_batched_and_chunked(gguf_pa
     chunked = fp32(max_num_batched_tokens=16)
     got = run(chunked, TARGETS + FILLERS[:6], params)
     assert_same(alone, (got[0][:4], got[1][:4]), "chunks of 16 tokens")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_an_int8_kv_cache_gives_the_same_logits_alone_batched_chunked_and_from_the_prefix_cache(
+        gguf_path, params):
+    """``--kv-cache-dtype int8``: where a tier has a library, the avx2 library's
+    ``paged_decode`` reads the codes and scales in place for decodes, verified drafts and
+    prompt rows alike (compiled decodes once attended by inductor's loops, summed in another
+    order than mixed steps); on the none tier every row takes the eager gather + SDPA op.
+    Either way a row's logits do not depend on the batch, on chunking or on a prefix hit."""
+    from llmserve.model.native.ops import tier_ops
+
+    llm = engine(gguf_path, kv_cache_dtype="int8", enable_prefix_caching=False)
+    assert llm.engine.runner.compiled is not None
+    assert llm.engine.runner.backend.native_decode is (tier_ops() is not None)
+    alone = [run(llm, [p], params) for p in TARGETS]
+    alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
+    got = run(llm, TARGETS + FILLERS[:12], params)
+    assert_same(alone, (got[0][:4], got[1][:4]), "int8 KV: batch of 16")
+    chunked = engine(gguf_path, kv_cache_dtype="int8", enable_prefix_caching=False,
+                     max_num_batched_tokens=16)
+    got = run(chunked, TARGETS + FILLERS[:6], params)
+    assert_same(alone, (got[0][:4], got[1][:4]), "int8 KV: chunks of 16 tokens")
+    cached = engine(gguf_path, kv_cache_dtype="int8")
+    run(cached, TARGETS, params)
+    got = run(cached, TARGETS + FILLERS[:3], params)
+    assert cached.engine.get_stats().prefix_hit_tokens > 0
+    assert_same(alone, (got[0][:4], got[1][:4]), "int8 KV: after a prefix-cache hit")

@@ -179,13 +179,14 @@ def run_gate(model: Optional[str], configs: list[str], reference: str = "fp32",
 
 def format_table(results: list[ConfigResult]) -> str:
     """A plain-text table, one row per configuration (the reference first)."""
-    head = (f"{'config':<10} {'weights':>8} {'KV B/tok':>8} {'PPL':>8} {'dPPL':>7} {'top-1':>6} "
+    width = max([10, *(len(r.name) for r in results)])
+    head = (f"{'config':<{width}} {'weights':>8} {'KV B/tok':>8} {'PPL':>8} {'dPPL':>7} {'top-1':>6} "
             f"{'KL':>7} {'greedy':>6}  {'gate':<5} quantization")
     lines = [head, "-" * len(head)]
     for r in results:
         gate = "ref" if r.passed is None else ("pass" if r.passed else "FAIL")
-        lines.append(f"{r.name:<10} {r.weight_bytes / 1e6:7.1f}M {r.kv_bytes_per_token:8d} "
+        lines.append(f"{r.name:<{width}} {r.weight_bytes / 1e6:7.1f}M {r.kv_bytes_per_token:8d} "
                      f"{r.ppl:8.3f} {100 * r.ppl_increase:+6.2f}% {r.top1:6.3f} {r.kl:7.4f} "
                      f"{r.greedy_agreement:6.2f}  {gate:<5} {r.quantization} kv={r.kv_dtype}")
-        lines.extend(f"{'':<12}- {f}" for f in r.failures)
+        lines.extend(f"{'':<{width + 2}}- {f}" for f in r.failures)
     return "\n".join(lines)

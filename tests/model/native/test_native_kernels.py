@@ -286,7 +286,7 @@ def test_engine_attends_with_the_native_kernel_as_without(tiny_path, monkeypatch
     llm, tokens, steps = _logits(tiny_path, max_num_batched_tokens=budget)
     assert llm.engine.runner.backend.native_decode
     monkeypatch.setattr("llmserve.model.attention.paged.native_decode_serves",
-                        lambda dtype: False)
+                        lambda dtype, kv_dtype=None: False)
     off, ref_tokens, ref_steps = _logits(tiny_path, max_num_batched_tokens=budget)
     assert not off.engine.runner.backend.native_decode
     assert len(steps) == len(ref_steps)

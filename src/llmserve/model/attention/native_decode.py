@@ -11,13 +11,15 @@ docs/BENCHMARKS.md).
 
 Each CPU tier's library has one (``llmserve_native::paged_decode`` on the AVX-512 tiers,
 ``llmserve_avx2::paged_decode`` on the avx2 tier: ``csrc/avx2/paged_decode_avx2.cpp``, the
-same contract in 8-lane vectors, for bf16 or float32); :func:`native_decode_available` picks
-the tier's, once, and float32 queries on the AVX-512 tiers take the avx2 library's, loaded
-beside it (the AVX-512 kernel reads bf16 caches only). Used for decode rows and prompt rows
-when the library is loaded and checked (``PagedBackend.native_decode``, decided once from the
-model and KV dtypes): queries and a KV cache of one dtype it serves, on CPU, a head size that
-is a multiple of 16. Quantized KV caches, other dtypes and other devices keep the
-compiled/eager paths.
+same contract in 8-lane vectors, for bf16, float32 or int8 caches). An int8 cache (codes and
+a float32 scale a row, :mod:`llmserve.model.quant.kv`) is read in place too: by
+``llmserve_native::paged_decode_int8`` under bf16 queries on the AVX-512 tiers, by the avx2
+library's kernel under float32 queries or on the avx2 tier. :func:`native_decode_serves`
+picks the kernel of a (query, cache) dtype pair once; the avx2 library is loaded beside the
+AVX-512 one only when a pair needs it. Used for decode rows and prompt rows when the library
+is loaded and checked (``PagedBackend.native_decode``, decided once from the model and KV
+dtypes), on CPU, for head sizes that are a multiple of 16. fp8 caches, other dtypes and other
+devices keep the compiled/eager paths.
 """
 from __future__ import annotations
 
@@ -27,8 +29,14 @@ import torch
 
 from llmserve.model.native.ops import kernel_checked, tier_ops
 
-#: ``paged_decode`` of each query/cache dtype (filled by :func:`_decode_ops`)
-_PAGED_DECODE: "dict[torch.dtype, Any]" = {}
+#: ``paged_decode`` of each (query, cache) dtype pair (filled by :func:`_decode_ops` and
+#: :func:`native_decode_serves`)
+_PAGED_DECODE: "dict[tuple[torch.dtype, torch.dtype], Any]" = {}
+
+#: (query, cache) dtype pairs the avx2 library's ``paged_decode`` serves beyond the tier
+#: library's own, loaded on the first ask: float32 caches on the AVX-512 tiers, and int8
+#: caches (codes and a scale a row, :mod:`llmserve.model.quant.kv`) under float32 queries
+_AVX2_PAIRS = ((torch.float32, torch.float32), (torch.float32, torch.int8))
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -36,63 +44,76 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: Optional[float] = None) -> torch.Tensor:
     """``q (B, H, D)`` against cached rows ``slots (B, L)`` where ``valid (B, L)`` ->
     ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`."""
-    op = _PAGED_DECODE.get(q.dtype) or _decode_ops()[q.dtype]
+    key = (q.dtype, k_cache.dtype)
+    op = _PAGED_DECODE.get(key) or _decode_ops()[key]
     return op(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
 
 
-def _decode_ops() -> "dict[torch.dtype, Any]":
-    """The ``paged_decode`` operator of each dtype, looked up once: the tier library's for
-    bf16 (and float32 on the avx2 tier); float32 on the AVX-512 tiers is added by
-    :func:`native_decode_serves` when a float32 model asks (the AVX-512 library's kernel
-    reads bf16 caches only)."""
+def _decode_ops() -> "dict[tuple[torch.dtype, torch.dtype], Any]":
+    """The ``paged_decode`` operator of each (query, cache) dtype pair, looked up once: the
+    tier library's for bf16 queries over bf16 or int8 caches (``paged_decode`` and
+    ``paged_decode_int8`` on the AVX-512 tiers; on the avx2 tier its one ``paged_decode``,
+    float32 too); the avx2 library's other pairs are added by :func:`native_decode_serves`
+    when a model asks."""
     from llmserve.model.native.ops import cpu_tier
 
     if not _PAGED_DECODE:
         ops = tier_ops()
         if ops is None:
             raise RuntimeError("paged_decode_native: no native library on this CPU tier")
-        _PAGED_DECODE[torch.bfloat16] = ops.paged_decode
-        if cpu_tier() == "avx2":
-            _PAGED_DECODE[torch.float32] = ops.paged_decode
+        _PAGED_DECODE[(torch.bfloat16, torch.bfloat16)] = ops.paged_decode
+        if cpu_tier() == "avx2":   # one kernel for bf16, float32 and int8 caches
+            _PAGED_DECODE[(torch.float32, torch.float32)] = ops.paged_decode
+            _PAGED_DECODE[(torch.bfloat16, torch.int8)] = ops.paged_decode
+        else:
+            _PAGED_DECODE[(torch.bfloat16, torch.int8)] = ops.paged_decode_int8
     return _PAGED_DECODE
 
 
-def native_decode_serves(dtype: torch.dtype) -> bool:
-    """A native ``paged_decode`` takes queries and a cache of ``dtype`` here (the library is
-    loaded and the kernel passed its self-test). Float32 on the AVX-512 tiers loads the avx2
-    library beside the AVX-512 one for its float32 kernel, on the first ask only, so a bf16
-    model never builds or loads it (decided once per process and dtype)."""
+def native_decode_serves(dtype: torch.dtype, kv_dtype: Optional[torch.dtype] = None) -> bool:
+    """A native ``paged_decode`` takes queries of ``dtype`` over a cache of ``kv_dtype``
+    (default: ``dtype``) here: the library is loaded and the kernel passed its self-test.
+    Float32 caches on the AVX-512 tiers and int8 caches on any tier take the avx2 library's
+    kernel, loaded beside the tier's own on the first ask only, so a bf16 model with a bf16
+    cache never builds or loads it (decided once per process and pair)."""
     from llmserve.model.native.ops import avx2_library_loaded
 
+    key = (dtype, dtype if kv_dtype is None else kv_dtype)
     if not native_decode_available():
         return False
-    if dtype in _decode_ops():
+    if key in _decode_ops():
         return True
-    if dtype != torch.float32 or not avx2_library_loaded():
+    if key not in _AVX2_PAIRS or not avx2_library_loaded():
         return False
-    _PAGED_DECODE.setdefault(torch.float32, torch.ops.llmserve_avx2.paged_decode)
-    if kernel_checked("paged_decode_float32", lambda: _self_test((torch.float32,)),
-                      library=avx2_library_loaded):
+    _PAGED_DECODE.setdefault(key, torch.ops.llmserve_avx2.paged_decode)
+    name = "paged_decode_float32" if key[1] == torch.float32 else \
+        f"paged_decode_{str(key[0]).removeprefix('torch.')}_over_int8"
+    if kernel_checked(name, lambda: _self_test((key,)), library=avx2_library_loaded):
         return True
-    _PAGED_DECODE.pop(torch.float32, None)
+    _PAGED_DECODE.pop(key, None)
     return False
 
 
 def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
-    """The query / cache dtypes a native ``paged_decode`` takes here: bf16, and float32 where
-    the avx2 library serves it (its own tier, or beside the AVX-512 library)."""
+    """The dtypes a native ``paged_decode`` takes for queries and a cache of the same dtype
+    here: bf16, and float32 where the avx2 library serves it (its own tier, or beside the
+    AVX-512 library)."""
     return tuple(d for d in (torch.bfloat16, torch.float32) if native_decode_serves(d))
 
 
-def _self_test(dtypes: "tuple[torch.dtype, ...] | None" = None) -> bool:
-    """``paged_decode`` of each of ``dtypes`` (default: the tier library's own) against the
-    PyTorch reference."""
+def _self_test(pairs: "tuple[tuple[torch.dtype, torch.dtype], ...] | None" = None) -> bool:
+    """``paged_decode`` of each (query, cache) dtype pair of ``pairs`` (default: the tier
+    library's own) against the PyTorch reference."""
     from llmserve.model.attention.paged import paged_decode_inplace
+    from llmserve.model.quant.kv import is_quantized_kv, quantize_kv
 
     gen = torch.Generator().manual_seed(0)
-    for dtype in tuple(_decode_ops()) if dtypes is None else dtypes:
-        kc = torch.randn(64, 2, 64, generator=gen).to(dtype)
-        vc = torch.randn(64, 2, 64, generator=gen).to(dtype)
+    for dtype, kv_dtype in tuple(_decode_ops()) if pairs is None else pairs:
+        k, v = torch.randn(64, 2, 64, generator=gen), torch.randn(64, 2, 64, generator=gen)
+        if is_quantized_kv(kv_dtype):
+            kc, vc = quantize_kv(k, kv_dtype), quantize_kv(v, kv_dtype)
+        else:
+            kc, vc = k.to(kv_dtype), v.to(kv_dtype)
         q = torch.randn(3, 6, 64, generator=gen).to(dtype)
         slots = torch.randint(0, 64, (3, 20), generator=gen)
         valid = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [7], [1]])

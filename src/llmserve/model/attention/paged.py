@@ -9,11 +9,12 @@ decode, so speculation does not change a greedy token), and prefill chunks run o
 decode-like row per query against its own causal keys (:func:`_native_prefill_rows`),
 faster than SDPA with a mask on these shapes (docs/BENCHMARKS.md).
 
-Without the native kernel (the none tier, a quantized KV cache) eager decode rows
-gather their blocks and call SDPA (:func:`torch_decode_attention`), and prefill chunks take
-the reference backend's grouped gather + SDPA. On the none tier compiled decodes call the
-same op, so a row attends alike in both; where the tier has a library (an int8 cache)
-compiled decode and verify steps write the attention as
+An int8 KV cache takes the avx2 library's kernel on every tier with a library (it reads
+each row's codes and scale in place). Without a native kernel (the none tier, an fp8 KV
+cache) eager decode rows gather their blocks and call SDPA (:func:`torch_decode_attention`),
+and prefill chunks take the reference backend's grouped gather + SDPA. On the none tier
+compiled decodes call the same op, so a row attends alike in both; where the tier has a
+library (an fp8 cache) compiled decode and verify steps write the attention as
 reductions inductor turns into loops over the cache (:func:`paged_decode_inplace`,
 :func:`paged_verify_inplace`), faster but summed in inductor's order::
 
@@ -139,19 +140,20 @@ class PagedBackend(ReferenceBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         # decided here, once, never inside a traced step (the first check builds and tests
         # the kernel): it serves CPU queries over a cache of their dtype (bf16, and float32
-        # where the avx2 library is loaded: its own tier, or beside the AVX-512 one), head
-        # sizes of 16k
-        self.native_decode = ((device is None or device.type == "cpu") and dtype == kv_dtype
-                              and head_dim % 16 == 0 and native_decode_serves(dtype))
+        # where the avx2 library is loaded: its own tier, or beside the AVX-512 one) or
+        # over an int8 cache (the avx2 library's kernel, on every tier with a library),
+        # head sizes of 16k
+        self.native_decode = ((device is None or device.type == "cpu")
+                              and head_dim % 16 == 0 and native_decode_serves(dtype, kv_dtype))
         # eager steps write their K/V rows by native row copies (compiled steps keep the
         # copy inductor fuses with the rotary embedding): the same bytes
         self.native_store = (self.native_decode and kv_dtype == torch.bfloat16
                              and native_kv_store_available())
         # without the kernel, compiled decodes attend by inductor's loops where the tier has
-        # a library (an int8 KV cache: 1.3-1.7x faster steps
-        # at c=32-64 than the eager op, but a decode may then differ from the same row in
-        # a mixed eager step), and by the eager gather + SDPA op on the none tier, whose
-        # point is the exact fallback (a CPU-only op: other devices keep inductor's loops)
+        # a library (an fp8 KV cache: faster steps at c=32-64 than the eager op, but a
+        # decode may then differ from the same row in a mixed eager step), and by the eager
+        # gather + SDPA op on the none tier, whose point is the exact fallback (a CPU-only
+        # op: other devices keep inductor's loops)
         self.inductor_decode = not self.native_decode and (
             tier_ops() is not None or (device is not None and device.type != "cpu"))
 

@@ -1,6 +1,6 @@
 """llmserve's own CPU kernels (``model/native/csrc/*.cpp``), compiled on the machine that runs them.
 
-Thirteen operators, ``torch.ops.llmserve_native``:
+Fourteen operators, ``torch.ops.llmserve_native``:
 
 - ``int4_mm`` / ``int8_mm`` / ``bf16_mm``: int4 (grouped) / int8 (per channel) / bf16 weights
   x bf16 activations by ``vdpbf16ps`` (:mod:`llmserve.model.quant.native_int4`,
@@ -11,8 +11,8 @@ Thirteen operators, ``torch.ops.llmserve_native``:
 - ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their own codes and scales
   x the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too), and
   ``qblock_rows``: rows of such a table decoded to float32 (a GGUF token table's lookup);
-- ``paged_decode``: decode attention over a bf16 paged KV cache, read in place
-  (:mod:`llmserve.model.attention.native_decode`);
+- ``paged_decode`` / ``paged_decode_int8``: decode attention over a bf16 / int8 paged KV
+  cache, read in place (:mod:`llmserve.model.attention.native_decode`);
 - ``silu_mul``: the SwiGLU activation of a fused ``[gate | up]`` output
   (:mod:`llmserve.model.layers.activation`);
 - ``rotate_qk``: the rotary embedding of a prefill chunk's q and k
@@ -26,8 +26,8 @@ All need AVX512F/BW and AVX512_BF16 (checked from ``/proc/cpuinfo`` and again by
 itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csrc/avx2/``,
 built with nothing beyond ``-mavx2 -mfma -mf16c``), serves the ``avx2`` tier: ``int4_a8_mm``
 and ``int8_a8_mm`` on the same packed layouts with the same results (vpmaddubsw/vpmaddwd in
-place of vpdpbusd; :func:`a8_ops` picks the namespace once), its own ``paged_decode`` (bf16
-or float32 caches; the AVX-512 tiers load this library too, for float32 decodes), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
+place of vpdpbusd; :func:`a8_ops` picks the namespace once), its own ``paged_decode`` (bf16,
+float32 or int8 caches; the AVX-512 tiers load this library too, for float32 queries), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
 lower tier than the CPU has, so every tier runs on one machine (:func:`cpu_tier`):
 ``avx512_vnni`` (everything), ``avx512_bf16`` (no int8-activation kernels), ``avx2`` (the
 avx2 library's int8-activation products; PyTorch's for the rest) or ``none`` (no native
@@ -258,6 +258,8 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::qblock_a8_mm")(_fake_qblock_mm)
             torch.library.register_fake("llmserve_native::qblock_rows")(_fake_qblock_rows)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
+            torch.library.register_fake("llmserve_native::paged_decode_int8")(
+                _fake_paged_decode)
             torch.library.register_fake("llmserve_native::silu_mul")(_fake_silu_mul)
             torch.library.register_fake("llmserve_native::rotate_qk")(_fake_rotate_qk)
             torch.library.register_fake("llmserve_native::kv_store")(_fake_kv_store)

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "decode_math.h"
 #include "decode_operands.h"
 #include "decode_rows.h"
 
@@ -34,50 +35,12 @@
 
 namespace {
 
-using llmserve_native::balanced_bounds;
 using llmserve_native::kPullKeys;
 using llmserve_native::load_bf16x16;
 using llmserve_native::prefetch_rows_l2;
 using llmserve_native::pull_rows;
-using llmserve_native::valid_length;
-
-// e^x for x <= 0 (scores minus their maximum): 2^n * 2^r, |r| <= 1/2, degree-6 Taylor
-// polynomial of 2^r (relative error ~1e-7), scaled by vscalefps (exact, underflows to 0).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-150.f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// In place: scores (-inf where masked) -> e^(s - peak), masked ones exactly 0; returns the sum.
-float softmax_row(float* s, int64_t len, float peak) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  if (peak == neg_inf) {                              // no valid key: the output stays 0
-    for (int64_t l = 0; l < len; ++l) s[l] = 0.f;
-    return 0.f;
-  }
-  const __m512 top = _mm512_set1_ps(peak);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t l = 0; l < len; l += 16) {
-    const __mmask16 in = len - l >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                       : static_cast<__mmask16>((1u << (len - l)) - 1);
-    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), in, s + l);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(x, top)));
-    _mm512_mask_storeu_ps(s + l, in, p);
-    sum = _mm512_add_ps(sum, p);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
+using llmserve_native::softmax_row;
+using llmserve_native::sum_lanes16;
 
 // Any head size (a multiple of 16) and group: loops and buffers sized at run time.
 void decode_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
@@ -132,27 +95,6 @@ void decode_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * d + 16 * c), (__m256i)o);
     }
   }
-}
-
-// Sixteen vectors -> one: lane i holds the sum of v[i]'s sixteen lanes, by four levels of
-// pairwise combines (45 shuffles and adds for 16 sums, against ~8 ops for each sum alone):
-// unpack_ps + add -> 8, unpack_pd + add -> 4, shuffle_f32x4 + add -> 2, -> 1.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int j = 0; j < 4; ++j) {
-    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
-    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // One query row (all its KV heads, or one: hkv = 1 and the pointers at that head) with the
@@ -304,37 +246,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const RowFn fixed = fixed_kernel(d, g_heads);
   if (fixed) {
-    // A task a row, or a task per (row, KV head) when there are fewer than two rows a thread
-    // (one sequence decoding must not leave a core idle); the same arithmetic either way. A
-    // row whose context the previous row of its task range held (a prompt's causal rows, a
-    // draft's verified rows) finds it in cache and skips the pulls.
-    const int64_t threads = at::get_num_threads();
-    const int64_t per_row = b < 2 * threads ? hkv : 1, tasks = b * per_row;
-    const int64_t parts = std::min(threads, tasks);
-    // a row runs to its last valid key: the keys past it would only add exact zeros
-    std::vector<int64_t> keys(static_cast<size_t>(b));
-    for (int64_t i = 0; i < b; ++i) keys[i] = valid_length(mp + i * len, len);
-    const std::vector<int64_t> bounds = balanced_bounds(keys, tasks, per_row, parts);
-    // row i - 1 held row i's context when it starts with the same slot and has row i's
-    // next-to-last key in the same slot (not another sequence sharing a cached prefix)
-    auto previous_row_held = [&](int64_t i) {
-      const int64_t last = keys[i] - 2;
-      return keys[i - 1] > std::max<int64_t>(last, 0) && sp[i * len] == sp[(i - 1) * len] &&
-             (last <= 0 || sp[i * len + last] == sp[(i - 1) * len + last]);
-    };
-    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
-      for (int64_t part = begin; part < end; ++part)
-        for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) {
-          const int64_t i = t / per_row;
-          const bool pull = t == bounds[part] || per_row > 1 || !previous_row_held(i);
-          const int64_t kvh = per_row == 1 ? 0 : t % per_row;
+    llmserve_native::run_decode_tasks(
+        b, hkv, sp, mp, len, [&](int64_t i, int64_t kvh, int64_t task_hkv, int64_t keys,
+                                 bool pull, bool prefetch_v, std::vector<float>& buf) {
           const int64_t head = i * h + kvh * g_heads, kv_offset = kvh * d;
           fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
-                keys[i], per_row == 1 ? hkv : 1, row_stride, static_cast<float>(scale),
-                static_cast<float>(softcap), pull, per_row == 1, op + head * d, buf);
-        }
-    });
+                keys, task_hkv, row_stride, static_cast<float>(scale),
+                static_cast<float>(softcap), pull, prefetch_v, op + head * d, buf);
+        });
     return out;
   }
   at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {

@@ -1,15 +1,20 @@
 // Paged decode attention of the avx2 tier: llmserve_avx2::paged_decode, the contract of
 // ../paged_decode.cpp (q (B, H, D) against each row's cached K/V rows slots (B, L) where
 // valid (B, L) -> (B, H * D)) on AVX2 + FMA, for bf16 or float32 queries and caches (one
-// dtype for all three and the output): a CPU without native bf16 runs float32 models.
+// dtype for all three and the output): a CPU without native bf16 runs float32 models. It
+// also reads int8 caches (model/quant/kv.py: each (slot, head) row holds D int8 codes, then
+// its float32 scale) under bf16 or float32 queries, on every tier from avx2 up: the one
+// kernel of an int8 KV cache's decode, verify and prompt rows.
 //
 // Per query head, in this order, whatever the other rows of the call:
 //   s_l = scale * sum_c (q_c . k_c)  for each valid key l up to the row's last valid one,
 //         q_c . k_c in 8 lanes by fused multiply-adds over the head's 8-wide chunks c in
 //         order, the lanes added pairwise (4 + 4, 2 + 2, 1 + 1); softcap * tanh(s / softcap)
+//         (an int8 row: the same sum over its codes, times the row's scale, then `scale`)
 //   p_l = e^(s_l - max s) (a degree-6 polynomial; 0 for masked keys and below e^-87)
 //   o   = bf16( (sum_l p_l v_l) * (1 / sum_l p_l) ),  both sums in key order
-//         (sum_l p_l in 8 lanes by key index, then the pairwise lane adds)
+//         (sum_l p_l in 8 lanes by key index, then the pairwise lane adds; an int8 V row
+//         adds (p_l * its scale) * its codes)
 // so a row decoded alone, in a batch, verified among drafts or as a prompt's causal row
 // (the paged backend's one path on this tier, as the AVX-512 kernel's on its own) gets the
 // same bits. Rows are split over the threads, or (row, KV head) pairs when there are fewer
@@ -27,7 +32,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -40,6 +47,23 @@ inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline void store8(uint16_t* p, __m256 v) { store_bf16x8(p, v); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// 8 codes of an int8 cache row as floats (exact); the row's scale is applied apart
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Elements of one (slot, head) row of a cache of C: the head's D values, and for int8 codes
+// the 4 bytes of their float32 scale after them.
+template <typename C>
+constexpr int64_t kScaleBytes = std::is_same_v<C, int8_t> ? 4 : 0;
+
+// The float32 scale stored after an int8 row's `d` codes.
+inline float int8_row_scale(const int8_t* row, int64_t d) {
+  float s;
+  std::memcpy(&s, row + d, sizeof(s));
+  return s;
+}
 
 // The eight lanes added pairwise: (0..3) + (4..7), then (0,1) + (2,3), then 0 + 1.
 inline float sum_lanes8(__m256 v) {
@@ -70,12 +94,15 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 
 // One query row's `heads` heads (`group` query heads a KV head) against its first `len`
-// keys. `d` is a multiple of 8; T is the dtype of q, the caches and the output.
-template <typename T>
-void decode_heads(const T* q, const T* kc, const T* vc, const int64_t* slots,
+// keys. `d` is a multiple of 8; T is the dtype of q and the output, C the caches' (T, or
+// int8 codes with a scale a row).
+template <typename T, typename C>
+void decode_heads(const T* q, const C* kc, const C* vc, const int64_t* slots,
                   const bool* valid, int64_t len, int64_t heads, int64_t group, int64_t d,
                   int64_t row_stride, float scale, float softcap, T* out,
                   std::vector<float>& buf) {
+  constexpr bool coded = std::is_same_v<C, int8_t>;
+  const int64_t head_width = d + kScaleBytes<C>;
   const int64_t padded = (len + 7) / 8 * 8;
   buf.assign(static_cast<size_t>(heads * (padded + 2 * d)), 0.f);
   float* scores = buf.data();                  // (heads, padded)
@@ -90,13 +117,15 @@ void decode_heads(const T* q, const T* kc, const T* vc, const int64_t* slots,
       for (int64_t h = 0; h < heads; ++h) scores[h * padded + l] = neg_inf;
       continue;
     }
-    const T* krow = kc + slots[l] * row_stride;
+    const C* krow = kc + slots[l] * row_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const T* k = krow + (h / group) * d;
+      const C* k = krow + (h / group) * head_width;
       __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qf + h * d), load8(k));
       for (int64_t c = 8; c < d; c += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + c), load8(k + c), acc);
-      float s = sum_lanes8(acc) * scale;
+      float s = sum_lanes8(acc);
+      if constexpr (coded) s *= int8_row_scale(k, d);
+      s *= scale;
       if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
       scores[h * padded + l] = s;
       if (s > peak[h]) peak[h] = s;   // a NaN score never becomes the peak
@@ -124,8 +153,10 @@ void decode_heads(const T* q, const T* kc, const T* vc, const int64_t* slots,
     // p * V by key, in key order (masked keys were skipped in the scores and add nothing)
     for (int64_t l = 0; l < len; ++l) {
       if (!valid[l]) continue;
-      const T* v = vc + slots[l] * row_stride + (h / group) * d;
-      const __m256 p = _mm256_set1_ps(s[l]);
+      const C* v = vc + slots[l] * row_stride + (h / group) * head_width;
+      float pl = s[l];
+      if constexpr (coded) pl *= int8_row_scale(v, d);
+      const __m256 p = _mm256_set1_ps(pl);
       for (int64_t c = 0; c < d; c += 8)
         _mm256_storeu_ps(sums + h * d + c, _mm256_fmadd_ps(p, load8(v + c),
                                                            _mm256_loadu_ps(sums + h * d + c)));
@@ -142,15 +173,16 @@ int64_t valid_length(const bool* row, int64_t len) {
   return len;
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slots, const at::Tensor& valid, float scale, float softcap,
                  at::Tensor& out) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
-  const int64_t len = slots.size(1), group = h / hkv, row_stride = hkv * d;
+  const int64_t head_width = d + kScaleBytes<C>;
+  const int64_t len = slots.size(1), group = h / hkv, row_stride = hkv * head_width;
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* mp = valid.data_ptr<bool>();
   T* op = reinterpret_cast<T*>(out.data_ptr());
@@ -159,8 +191,8 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     std::vector<float> buf;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / per_row, kvh = per_row == 1 ? 0 : t % per_row;
-      const int64_t head = i * h + kvh * group, kv_offset = kvh * d;
-      decode_heads<T>(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len,
+      const int64_t head = i * h + kvh * group, kv_offset = kvh * head_width;
+      decode_heads<T, C>(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len,
                       mp + i * len, valid_length(mp + i * len, len), per_row == 1 ? h : group,
                       group, d, row_stride, scale, softcap, op + head * d, buf);
     }
@@ -170,18 +202,26 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& valid, double scale,
                         double softcap) {
-  llmserve_native::check_decode_operands(q, k_cache, v_cache, slots, valid, true);
-  const auto dtype = q.scalar_type();
+  const bool coded = k_cache.scalar_type() == at::kChar;
+  if (coded) {
+    llmserve_native::check_int8_decode_operands(q, k_cache, v_cache, slots, valid);
+  } else {
+    llmserve_native::check_decode_operands(q, k_cache, v_cache, slots, valid, true);
+  }
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), vm = valid.contiguous();
   at::Tensor out = at::empty({b, h * d}, q.options());
   if (b == 0) return out;
-  if (dtype == at::kBFloat16) {
-    decode_rows<uint16_t>(qc, k_cache, v_cache, sc, vm, static_cast<float>(scale),
-                          static_cast<float>(softcap), out);
+  const float sf = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (coded && bf16) {
+    decode_rows<uint16_t, int8_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
+  } else if (coded) {
+    decode_rows<float, int8_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
+  } else if (bf16) {
+    decode_rows<uint16_t, uint16_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
   } else {
-    decode_rows<float>(qc, k_cache, v_cache, sc, vm, static_cast<float>(scale),
-                       static_cast<float>(softcap), out);
+    decode_rows<float, float>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
   }
   return out;
 }
