@@ -305,29 +305,31 @@ def test_a_float32_model_gives_the_same_logits_alone_batched_and_chunked(gguf_pa
     assert_same(alone, (got[0][:4], got[1][:4]), "chunks of 16 tokens")
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_an_int8_kv_cache_gives_the_same_logits_alone_batched_chunked_and_from_the_prefix_cache(
-        gguf_path, params):
-    """``--kv-cache-dtype int8``: where a tier has a library, the avx2 library's
-    ``paged_decode`` reads the codes and scales in place for decodes, verified drafts and
-    prompt rows alike (compiled decodes once attended by inductor's loops, summed in another
-    order than mixed steps); on the none tier every row takes the eager gather + SDPA op.
-    Either way a row's logits do not depend on the batch, on chunking or on a prefix hit."""
+@pytest.mark.parametrize("kv,params", [("int8", GREEDY), ("int8", SEEDED),
+                                       ("fp8_e4m3", GREEDY)], ids=["int8-greedy", "int8-seeded",
+                                                                  "fp8-greedy"])
+def test_an_8bit_kv_cache_gives_the_same_logits_alone_batched_chunked_and_from_the_prefix_cache(
+        gguf_path, kv, params):
+    """``--kv-cache-dtype int8`` / ``fp8_e4m3``: where a tier has a library, a native kernel
+    reads the codes and scales in place for decodes, verified drafts and prompt rows alike
+    (compiled decodes once attended by inductor's loops, summed in another order than mixed
+    steps); on the none tier every row takes the eager gather + SDPA op. Either way a row's
+    logits do not depend on the batch, on chunking or on a prefix hit."""
     from llmserve.model.native.ops import tier_ops
 
-    llm = engine(gguf_path, kv_cache_dtype="int8", enable_prefix_caching=False)
+    llm = engine(gguf_path, kv_cache_dtype=kv, enable_prefix_caching=False)
     assert llm.engine.runner.compiled is not None
     assert llm.engine.runner.backend.native_decode is (tier_ops() is not None)
     alone = [run(llm, [p], params) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     got = run(llm, TARGETS + FILLERS[:12], params)
-    assert_same(alone, (got[0][:4], got[1][:4]), "int8 KV: batch of 16")
-    chunked = engine(gguf_path, kv_cache_dtype="int8", enable_prefix_caching=False,
+    assert_same(alone, (got[0][:4], got[1][:4]), f"{kv} KV: batch of 16")
+    chunked = engine(gguf_path, kv_cache_dtype=kv, enable_prefix_caching=False,
                      max_num_batched_tokens=16)
     got = run(chunked, TARGETS + FILLERS[:6], params)
-    assert_same(alone, (got[0][:4], got[1][:4]), "int8 KV: chunks of 16 tokens")
-    cached = engine(gguf_path, kv_cache_dtype="int8")
+    assert_same(alone, (got[0][:4], got[1][:4]), f"{kv} KV: chunks of 16 tokens")
+    cached = engine(gguf_path, kv_cache_dtype=kv)
     run(cached, TARGETS, params)
     got = run(cached, TARGETS + FILLERS[:3], params)
     assert cached.engine.get_stats().prefix_hit_tokens > 0
-    assert_same(alone, (got[0][:4], got[1][:4]), "int8 KV: after a prefix-cache hit")
+    assert_same(alone, (got[0][:4], got[1][:4]), f"{kv} KV: after a prefix-cache hit")

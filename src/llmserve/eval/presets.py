@@ -55,7 +55,7 @@ PRESETS: dict[str, Preset] = {
     "kv-fp8": Preset(dict(dtype="float32", quantization="none", kv_cache_dtype="fp8_e4m3"),
                      Thresholds(0.02, 0.93, 0.02)),
     # the default path (packed weights, bf16 queries) over an int8 cache: its own decode
-    # kernel on the AVX-512 tiers (paged_decode_int8)
+    # kernel on the AVX-512 tiers (paged_decode_q8)
     "packed-kv-int8": Preset(dict(dtype="bfloat16", quantization="auto", kv_cache_dtype="int8"),
                              Thresholds(0.015, 0.93, 0.015)),
 }

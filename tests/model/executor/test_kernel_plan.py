@@ -115,10 +115,10 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
                                 dict(dtype="float32")])
 def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     """The backend picks the native decode kernel at construction, from the model and KV
-    dtypes (no check per call): an int8 cache gets it wherever the tier has a library
-    (``paged_decode_int8``, or the avx2 tier's ``paged_decode``), an fp8 one never, a
-    float32 one where the avx2 library's float32 kernel is loaded (its tier, or beside the
-    AVX-512 library); the plan says so."""
+    dtypes (no check per call): an int8 or fp8 cache gets it wherever the tier has a library
+    (``paged_decode_q8``, or the avx2 tier's ``paged_decode``), a float32 one where the avx2
+    library's float32 kernel is loaded (its tier, or beside the AVX-512 library); the plan
+    says so."""
     from llmserve import LLM, SamplingParams
     from llmserve.model.attention.native_decode import (
         native_decode_available,
@@ -128,7 +128,7 @@ def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     llm = LLM(tiny_q5, num_kv_blocks=64, block_size=16, enforce_eager=True, **kw)
     kv = kw.get("kv_cache_dtype")
     native = native_decode_available() and (
-        kv == "int8" or (kv is None and torch.float32 in native_decode_dtypes()))
+        kv in ("int8", "fp8_e4m3") or (kv is None and torch.float32 in native_decode_dtypes()))
     assert llm.engine.runner.backend.native_decode is native
     assert (llm.engine.runner.kernel_plan["attention"]["decode"] == "torch") is not native
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0,

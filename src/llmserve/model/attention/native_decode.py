@@ -11,15 +11,15 @@ docs/BENCHMARKS.md).
 
 Each CPU tier's library has one (``llmserve_native::paged_decode`` on the AVX-512 tiers,
 ``llmserve_avx2::paged_decode`` on the avx2 tier: ``csrc/avx2/paged_decode_avx2.cpp``, the
-same contract in 8-lane vectors, for bf16, float32 or int8 caches). An int8 cache (codes and
-a float32 scale a row, :mod:`llmserve.model.quant.kv`) is read in place too: by
-``llmserve_native::paged_decode_int8`` under bf16 queries on the AVX-512 tiers, by the avx2
-library's kernel under float32 queries or on the avx2 tier. :func:`native_decode_serves`
-picks the kernel of a (query, cache) dtype pair once; the avx2 library is loaded beside the
-AVX-512 one only when a pair needs it. Used for decode rows and prompt rows when the library
-is loaded and checked (``PagedBackend.native_decode``, decided once from the model and KV
-dtypes), on CPU, for head sizes that are a multiple of 16. fp8 caches, other dtypes and other
-devices keep the compiled/eager paths.
+same contract in 8-lane vectors, for bf16, float32 or 8-bit caches). An 8-bit cache (int8
+or fp8 e4m3 codes and a float32 scale a row, :mod:`llmserve.model.quant.kv`) is read in
+place too: by ``llmserve_native::paged_decode_q8`` under bf16 queries on the AVX-512 tiers,
+by the avx2 library's kernel under float32 queries or on the avx2 tier.
+:func:`native_decode_serves` picks the kernel of a (query, cache) dtype pair once; the avx2
+library is loaded beside the AVX-512 one only when a pair needs it. Used for decode rows and
+prompt rows when the library is loaded and checked (``PagedBackend.native_decode``, decided
+once from the model and KV dtypes), on CPU, for head sizes that are a multiple of 16. Other
+dtypes and other devices keep the compiled/eager paths.
 """
 from __future__ import annotations
 
@@ -33,10 +33,15 @@ from llmserve.model.native.ops import kernel_checked, tier_ops
 #: :func:`native_decode_serves`)
 _PAGED_DECODE: "dict[tuple[torch.dtype, torch.dtype], Any]" = {}
 
+#: the 8-bit KV cache dtypes a native kernel reads (codes and a float32 scale a row,
+#: :mod:`llmserve.model.quant.kv`)
+_CODE_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d)
+
 #: (query, cache) dtype pairs the avx2 library's ``paged_decode`` serves beyond the tier
-#: library's own, loaded on the first ask: float32 caches on the AVX-512 tiers, and int8
-#: caches (codes and a scale a row, :mod:`llmserve.model.quant.kv`) under float32 queries
-_AVX2_PAIRS = ((torch.float32, torch.float32), (torch.float32, torch.int8))
+#: library's own, loaded on the first ask: float32 caches on the AVX-512 tiers, and 8-bit
+#: caches under float32 queries
+_AVX2_PAIRS = ((torch.float32, torch.float32),
+               *((torch.float32, code) for code in _CODE_DTYPES))
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,10 +56,10 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _decode_ops() -> "dict[tuple[torch.dtype, torch.dtype], Any]":
     """The ``paged_decode`` operator of each (query, cache) dtype pair, looked up once: the
-    tier library's for bf16 queries over bf16 or int8 caches (``paged_decode`` and
-    ``paged_decode_int8`` on the AVX-512 tiers; on the avx2 tier its one ``paged_decode``,
-    float32 too); the avx2 library's other pairs are added by :func:`native_decode_serves`
-    when a model asks."""
+    tier library's for bf16 queries over bf16 or 8-bit (int8, fp8 e4m3) caches
+    (``paged_decode`` and ``paged_decode_q8`` on the AVX-512 tiers; on the avx2 tier its one
+    ``paged_decode``, float32 too); the avx2 library's other pairs are added by
+    :func:`native_decode_serves` when a model asks."""
     from llmserve.model.native.ops import cpu_tier
 
     if not _PAGED_DECODE:
@@ -62,19 +67,20 @@ def _decode_ops() -> "dict[tuple[torch.dtype, torch.dtype], Any]":
         if ops is None:
             raise RuntimeError("paged_decode_native: no native library on this CPU tier")
         _PAGED_DECODE[(torch.bfloat16, torch.bfloat16)] = ops.paged_decode
-        if cpu_tier() == "avx2":   # one kernel for bf16, float32 and int8 caches
+        avx2 = cpu_tier() == "avx2"   # its one kernel reads bf16, float32 and 8-bit caches
+        if avx2:
             _PAGED_DECODE[(torch.float32, torch.float32)] = ops.paged_decode
-            _PAGED_DECODE[(torch.bfloat16, torch.int8)] = ops.paged_decode
-        else:
-            _PAGED_DECODE[(torch.bfloat16, torch.int8)] = ops.paged_decode_int8
+        for code in _CODE_DTYPES:
+            _PAGED_DECODE[(torch.bfloat16, code)] = \
+                ops.paged_decode if avx2 else ops.paged_decode_q8
     return _PAGED_DECODE
 
 
 def native_decode_serves(dtype: torch.dtype, kv_dtype: Optional[torch.dtype] = None) -> bool:
     """A native ``paged_decode`` takes queries of ``dtype`` over a cache of ``kv_dtype``
     (default: ``dtype``) here: the library is loaded and the kernel passed its self-test.
-    Float32 caches on the AVX-512 tiers and int8 caches on any tier take the avx2 library's
-    kernel, loaded beside the tier's own on the first ask only, so a bf16 model with a bf16
+    Float32 caches on the AVX-512 tiers and 8-bit caches under float32 queries take the avx2
+    library's kernel, loaded beside the tier's own on the first ask only, so a bf16 model with a bf16
     cache never builds or loads it (decided once per process and pair)."""
     from llmserve.model.native.ops import avx2_library_loaded
 
@@ -87,7 +93,7 @@ def native_decode_serves(dtype: torch.dtype, kv_dtype: Optional[torch.dtype] = N
         return False
     _PAGED_DECODE.setdefault(key, torch.ops.llmserve_avx2.paged_decode)
     name = "paged_decode_float32" if key[1] == torch.float32 else \
-        f"paged_decode_{str(key[0]).removeprefix('torch.')}_over_int8"
+        f"paged_decode_float32_over_{str(key[1]).removeprefix('torch.')}"
     if kernel_checked(name, lambda: _self_test((key,)), library=avx2_library_loaded):
         return True
     _PAGED_DECODE.pop(key, None)

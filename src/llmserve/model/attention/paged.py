@@ -9,12 +9,13 @@ decode, so speculation does not change a greedy token), and prefill chunks run o
 decode-like row per query against its own causal keys (:func:`_native_prefill_rows`),
 faster than SDPA with a mask on these shapes (docs/BENCHMARKS.md).
 
-An int8 KV cache takes the avx2 library's kernel on every tier with a library (it reads
-each row's codes and scale in place). Without a native kernel (the none tier, an fp8 KV
-cache) eager decode rows gather their blocks and call SDPA (:func:`torch_decode_attention`),
-and prefill chunks take the reference backend's grouped gather + SDPA. On the none tier
-compiled decodes call the same op, so a row attends alike in both; where the tier has a
-library (an fp8 cache) compiled decode and verify steps write the attention as
+An 8-bit KV cache (int8, fp8 e4m3) takes a native kernel too on every tier with a library
+(it reads each row's codes and scale in place). Without a native kernel (the none tier)
+eager decode rows gather their blocks and call SDPA (:func:`torch_decode_attention`), and
+prefill chunks take the reference backend's grouped gather + SDPA. On the none tier compiled
+decodes call the same op, so a row attends alike in both; elsewhere without the kernel
+(other devices, a head size not of 16k) compiled decode and verify steps write the
+attention as
 reductions inductor turns into loops over the cache (:func:`paged_decode_inplace`,
 :func:`paged_verify_inplace`), faster but summed in inductor's order::
 
@@ -141,8 +142,7 @@ class PagedBackend(ReferenceBackend):
         # decided here, once, never inside a traced step (the first check builds and tests
         # the kernel): it serves CPU queries over a cache of their dtype (bf16, and float32
         # where the avx2 library is loaded: its own tier, or beside the AVX-512 one) or
-        # over an int8 cache (the avx2 library's kernel, on every tier with a library),
-        # head sizes of 16k
+        # over an 8-bit cache (int8, fp8: on every tier with a library), head sizes of 16k
         self.native_decode = ((device is None or device.type == "cpu")
                               and head_dim % 16 == 0 and native_decode_serves(dtype, kv_dtype))
         # eager steps write their K/V rows by native row copies (compiled steps keep the
@@ -150,10 +150,10 @@ class PagedBackend(ReferenceBackend):
         self.native_store = (self.native_decode and kv_dtype == torch.bfloat16
                              and native_kv_store_available())
         # without the kernel, compiled decodes attend by inductor's loops where the tier has
-        # a library (an fp8 KV cache: faster steps at c=32-64 than the eager op, but a
-        # decode may then differ from the same row in a mixed eager step), and by the eager
-        # gather + SDPA op on the none tier, whose point is the exact fallback (a CPU-only
-        # op: other devices keep inductor's loops)
+        # a library (pairs no kernel takes: a float32 model over a bf16 or fp16 cache, head
+        # sizes not of 16k; faster than the eager op, but a decode may then differ from the
+        # same row in a mixed eager step) and on other devices, and by the eager gather +
+        # SDPA op on the none tier, whose point is the exact fallback (a CPU-only op)
         self.inductor_decode = not self.native_decode and (
             tier_ops() is not None or (device is not None and device.type != "cpu"))
 

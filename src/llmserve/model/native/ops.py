@@ -11,7 +11,7 @@ Fourteen operators, ``torch.ops.llmserve_native``:
 - ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their own codes and scales
   x the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too), and
   ``qblock_rows``: rows of such a table decoded to float32 (a GGUF token table's lookup);
-- ``paged_decode`` / ``paged_decode_int8``: decode attention over a bf16 / int8 paged KV
+- ``paged_decode`` / ``paged_decode_q8``: decode attention over a bf16 / int8 paged KV
   cache, read in place (:mod:`llmserve.model.attention.native_decode`);
 - ``silu_mul``: the SwiGLU activation of a fused ``[gate | up]`` output
   (:mod:`llmserve.model.layers.activation`);
@@ -258,7 +258,7 @@ def _load() -> bool:
             torch.library.register_fake("llmserve_native::qblock_a8_mm")(_fake_qblock_mm)
             torch.library.register_fake("llmserve_native::qblock_rows")(_fake_qblock_rows)
             torch.library.register_fake("llmserve_native::paged_decode")(_fake_paged_decode)
-            torch.library.register_fake("llmserve_native::paged_decode_int8")(
+            torch.library.register_fake("llmserve_native::paged_decode_q8")(
                 _fake_paged_decode)
             torch.library.register_fake("llmserve_native::silu_mul")(_fake_silu_mul)
             torch.library.register_fake("llmserve_native::rotate_qk")(_fake_rotate_qk)

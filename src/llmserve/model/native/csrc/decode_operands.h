@@ -28,22 +28,25 @@ inline void check_decode_operands(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode: slots (B, L) int64 and valid (B, L) bool expected");
 }
 
-// q (B, H, D) bf16 or float32 over int8 caches (model/quant/kv.py): k_cache and v_cache
-// contiguous (slots, Hkv, D + 4) int8 of one shape (each row D codes, then the 4 bytes of
-// its float32 scale), D a multiple of 8 and H a multiple of Hkv; slots (B, L) int64 and
-// valid (B, L) bool.
-inline void check_int8_decode_operands(const at::Tensor& q, const at::Tensor& k_cache,
+// q (B, H, D) bf16 or float32 over 8-bit caches (model/quant/kv.py): k_cache and v_cache
+// contiguous (slots, Hkv, D + 4) int8 or float8_e4m3fn of one shape and dtype (each row D
+// codes, then the 4 bytes of its float32 scale), D a multiple of 8 and H a multiple of Hkv;
+// slots (B, L) int64 and valid (B, L) bool.
+inline void check_code_decode_operands(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& slots,
                                        const at::Tensor& valid) {
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
-              "paged_decode: q must be (B, H, D) bf16 or float32 over an int8 cache");
-  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
-                  k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: int8 caches must be contiguous (slots, Hkv, D + 4), one shape");
+              "paged_decode: q must be (B, H, D) bf16 or float32 over an int8 or fp8 cache");
+  const auto code = k_cache.scalar_type();
+  TORCH_CHECK((code == at::kChar || code == at::kFloat8_e4m3fn) &&
+                  v_cache.scalar_type() == code && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "paged_decode: int8 or fp8 caches must be contiguous (slots, Hkv, D + 4), one "
+              "shape and dtype");
   const int64_t h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d + 4 && d % 8 == 0, "paged_decode: head size ", d,
-              " must be a multiple of 8, with rows of D + 4 in the int8 cache");
+              " must be a multiple of 8, with rows of D + 4 in the int8 or fp8 cache");
   TORCH_CHECK(hkv > 0 && h % hkv == 0, "paged_decode: ", h, " heads over ", hkv, " KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && valid.scalar_type() == at::kBool &&
                   slots.dim() == 2 && slots.sizes() == valid.sizes() &&

@@ -2,18 +2,19 @@
 // ../paged_decode.cpp (q (B, H, D) against each row's cached K/V rows slots (B, L) where
 // valid (B, L) -> (B, H * D)) on AVX2 + FMA, for bf16 or float32 queries and caches (one
 // dtype for all three and the output): a CPU without native bf16 runs float32 models. It
-// also reads int8 caches (model/quant/kv.py: each (slot, head) row holds D int8 codes, then
-// its float32 scale) under bf16 or float32 queries, on every tier from avx2 up: the one
-// kernel of an int8 KV cache's decode, verify and prompt rows.
+// also reads 8-bit caches (model/quant/kv.py: each (slot, head) row holds D int8 or fp8 e4m3
+// codes, then their float32 scale) under bf16 or float32 queries: the one kernel of such a
+// cache's decode, verify and prompt rows on the avx2 tier, and under float32 queries on the
+// AVX-512 tiers (bf16 queries there take ../paged_decode_q8.cpp).
 //
 // Per query head, in this order, whatever the other rows of the call:
 //   s_l = scale * sum_c (q_c . k_c)  for each valid key l up to the row's last valid one,
 //         q_c . k_c in 8 lanes by fused multiply-adds over the head's 8-wide chunks c in
 //         order, the lanes added pairwise (4 + 4, 2 + 2, 1 + 1); softcap * tanh(s / softcap)
-//         (an int8 row: the same sum over its codes, times the row's scale, then `scale`)
+//         (an 8-bit row: the same sum over its codes, times the row's scale, then `scale`)
 //   p_l = e^(s_l - max s) (a degree-6 polynomial; 0 for masked keys and below e^-87)
 //   o   = bf16( (sum_l p_l v_l) * (1 / sum_l p_l) ),  both sums in key order
-//         (sum_l p_l in 8 lanes by key index, then the pairwise lane adds; an int8 V row
+//         (sum_l p_l in 8 lanes by key index, then the pairwise lane adds; an 8-bit V row
 //         adds (p_l * its scale) * its codes)
 // so a row decoded alone, in a batch, verified among drafts or as a prompt's causal row
 // (the paged backend's one path on this tier, as the AVX-512 kernel's on its own) gets the
@@ -53,15 +54,41 @@ inline __m256 load8(const int8_t* p) {
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Elements of one (slot, head) row of a cache of C: the head's D values, and for int8 codes
+// A code of an fp8 e4m3 cache (torch's float8_e4m3fn bits).
+struct Fp8E4m3 {
+  uint8_t bits;
+};
+
+// 8 fp8 e4m3 codes as floats: torch's values exactly (the NaN code, which quantize_kv never
+// writes, reads 480); paged_decode_q8.cpp's Fp8Codes in 8 lanes.
+inline __m256 load8(const Fp8E4m3* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo7 = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(lo7, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(
+      _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(7))), _mm256_set1_ps(1.f / 512));
+  const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x78)),
+                                          _mm256_setzero_si256());
+  const __m256 mag = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(tiny));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+}
+
+// An 8-bit code type (a quantized cache's rows: codes, then a float32 scale).
+template <typename C>
+constexpr bool kCoded = std::is_same_v<C, int8_t> || std::is_same_v<C, Fp8E4m3>;
+
+// Elements of one (slot, head) row of a cache of C: the head's D values, and for 8-bit codes
 // the 4 bytes of their float32 scale after them.
 template <typename C>
-constexpr int64_t kScaleBytes = std::is_same_v<C, int8_t> ? 4 : 0;
+constexpr int64_t kScaleBytes = kCoded<C> ? 4 : 0;
 
-// The float32 scale stored after an int8 row's `d` codes.
-inline float int8_row_scale(const int8_t* row, int64_t d) {
+// The float32 scale stored after an 8-bit row's `d` codes.
+template <typename C>
+inline float code_row_scale(const C* row, int64_t d) {
   float s;
-  std::memcpy(&s, row + d, sizeof(s));
+  std::memcpy(&s, reinterpret_cast<const char*>(row + d), sizeof(s));
   return s;
 }
 
@@ -95,13 +122,13 @@ inline __m256 exp_nonpositive(__m256 x) {
 
 // One query row's `heads` heads (`group` query heads a KV head) against its first `len`
 // keys. `d` is a multiple of 8; T is the dtype of q and the output, C the caches' (T, or
-// int8 codes with a scale a row).
+// 8-bit codes with a scale a row).
 template <typename T, typename C>
 void decode_heads(const T* q, const C* kc, const C* vc, const int64_t* slots,
                   const bool* valid, int64_t len, int64_t heads, int64_t group, int64_t d,
                   int64_t row_stride, float scale, float softcap, T* out,
                   std::vector<float>& buf) {
-  constexpr bool coded = std::is_same_v<C, int8_t>;
+  constexpr bool coded = kCoded<C>;
   const int64_t head_width = d + kScaleBytes<C>;
   const int64_t padded = (len + 7) / 8 * 8;
   buf.assign(static_cast<size_t>(heads * (padded + 2 * d)), 0.f);
@@ -124,7 +151,7 @@ void decode_heads(const T* q, const C* kc, const C* vc, const int64_t* slots,
       for (int64_t c = 8; c < d; c += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + c), load8(k + c), acc);
       float s = sum_lanes8(acc);
-      if constexpr (coded) s *= int8_row_scale(k, d);
+      if constexpr (coded) s *= code_row_scale(k, d);
       s *= scale;
       if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
       scores[h * padded + l] = s;
@@ -155,7 +182,7 @@ void decode_heads(const T* q, const C* kc, const C* vc, const int64_t* slots,
       if (!valid[l]) continue;
       const C* v = vc + slots[l] * row_stride + (h / group) * head_width;
       float pl = s[l];
-      if constexpr (coded) pl *= int8_row_scale(v, d);
+      if constexpr (coded) pl *= code_row_scale(v, d);
       const __m256 p = _mm256_set1_ps(pl);
       for (int64_t c = 0; c < d; c += 8)
         _mm256_storeu_ps(sums + h * d + c, _mm256_fmadd_ps(p, load8(v + c),
@@ -202,9 +229,10 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& valid, double scale,
                         double softcap) {
-  const bool coded = k_cache.scalar_type() == at::kChar;
+  const auto cache = k_cache.scalar_type();
+  const bool coded = cache == at::kChar || cache == at::kFloat8_e4m3fn;
   if (coded) {
-    llmserve_native::check_int8_decode_operands(q, k_cache, v_cache, slots, valid);
+    llmserve_native::check_code_decode_operands(q, k_cache, v_cache, slots, valid);
   } else {
     llmserve_native::check_decode_operands(q, k_cache, v_cache, slots, valid, true);
   }
@@ -214,10 +242,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty({b, h * d}, q.options());
   if (b == 0) return out;
   const float sf = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  if (coded && bf16) {
-    decode_rows<uint16_t, int8_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
-  } else if (coded) {
-    decode_rows<float, int8_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
+  if (cache == at::kChar) {
+    if (bf16) decode_rows<uint16_t, int8_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
+    else decode_rows<float, int8_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
+  } else if (cache == at::kFloat8_e4m3fn) {
+    if (bf16) decode_rows<uint16_t, Fp8E4m3>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
+    else decode_rows<float, Fp8E4m3>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
   } else if (bf16) {
     decode_rows<uint16_t, uint16_t>(qc, k_cache, v_cache, sc, vm, sf, cap, out);
   } else {

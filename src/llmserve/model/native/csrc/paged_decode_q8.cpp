@@ -1,16 +1,17 @@
-// Paged decode attention over int8 KV caches on AVX-512 CPUs: llmserve_native::paged_decode_int8.
+// Paged decode attention over 8-bit KV caches on AVX-512 CPUs: llmserve_native::paged_decode_q8.
 //
-//   q (B, H, D) bf16, k_cache/v_cache (slots, Hkv, D + 4) int8 (model/quant/kv.py: each
-//   (slot, head) row holds the head's D codes, then the 4 bytes of its float32 scale),
-//   slots (B, L) int64 cache rows, valid (B, L) bool -> out (B, H * D) bf16.
+//   q (B, H, D) bf16, k_cache/v_cache (slots, Hkv, D + 4) int8 or float8_e4m3fn
+//   (model/quant/kv.py: each (slot, head) row holds the head's D codes, then the 4 bytes of
+//   its float32 scale), slots (B, L) int64 cache rows, valid (B, L) bool -> out (B, H * D) bf16.
 //
 // paged_decode's contract and work split (decode_math.h) over the codes, read in place: the
 // cache is half the bytes of a bf16 one. Per query head and key, in this order, whatever the
 // other rows of the call:
 //   s_l = ((q . c_l) * scale_l) * scale   q . c_l by vdpbf16ps: a key's codes are widened to
-//         bf16 (exact: |c| <= 127) once per KV head into a 16-key scratch that every head of
-//         the group scores, and the 16 keys' lanes are summed by sum_lanes16; then
-//         softcap * tanh(s / softcap) where a softcap is set
+//         bf16 (exact: an int8 code or an fp8 e4m3 value has at most 8 significant bits)
+//         once per KV head into a 16-key scratch that every head of the group scores, and the
+//         16 keys' lanes are summed by sum_lanes16; then softcap * tanh(s / softcap) where a
+//         softcap is set
 //   p_l = e^(s_l - max s) (paged_decode's softmax; masked keys exactly 0)
 //   o   = bf16((sum_l (p_l * vscale_l) * v_l) * (1 / sum_l p_l)), the sums in key order
 // so a row decoded alone, in a batch, verified among drafts or as a prompt's causal row
@@ -41,11 +42,32 @@ using llmserve_native::kPullKeys;
 using llmserve_native::softmax_row;
 using llmserve_native::sum_lanes16;
 
-// 16 codes -> 16 floats (exact).
-inline __m512 load_codes16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+// 16 int8 codes -> 16 floats (exact).
+struct Int8Codes {
+  static __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// 16 fp8 e4m3 codes -> 16 floats: torch's float8_e4m3fn values exactly (the NaN code, which
+// quantize_kv never writes, reads 480). A normal code's exponent and mantissa move into
+// float32's fields (bias 7 -> 127), a subnormal one (exponent 0) is m * 2^-9, then the sign.
+struct Fp8Codes {
+  static __m512 load16(const int8_t* p) {
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i lo7 = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    const __m512 normal = _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_slli_epi32(lo7, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))), _mm512_set1_ps(1.f / 512));
+    const __mmask16 tiny = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
+    const __m512i mag = _mm512_castps_si512(_mm512_mask_mov_ps(normal, tiny, sub));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(mag, sign));
+  }
+};
 
 // The float32 scale stored after a row's `d` codes.
 inline float row_scale(const int8_t* row, int64_t d) {
@@ -83,7 +105,7 @@ inline void prefetch_code_rows(const int8_t* cache, const int64_t* slots, const 
 
 // One query row (all its KV heads, or one: hkv = 1 and the pointers at that head) with the
 // head size and group as constants; the walk of paged_decode's decode_row.
-template <int DC, int G>
+template <typename Codes, int DC, int G>
 void decode_row(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int64_t* slots,
                 const bool* valid, int64_t len, int64_t hkv, int64_t row_stride, float scale,
                 float softcap, bool pull, bool prefetch_v, uint16_t* out,
@@ -124,8 +146,8 @@ void decode_row(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
         }
         const int8_t* k = kc + slots[l0 + i] * row_stride + kvh * width;
         for (int c = 0; c < DC / 2; ++c) {
-          const __m512bh pair = _mm512_cvtne2ps_pbh(load_codes16(k + 32 * c + 16),
-                                                    load_codes16(k + 32 * c));
+          const __m512bh pair = _mm512_cvtne2ps_pbh(Codes::load16(k + 32 * c + 16),
+                                                    Codes::load16(k + 32 * c));
           _mm512_store_si512(dst + 32 * c, (__m512i)pair);
         }
         ks[i] = row_scale(k, d);
@@ -178,7 +200,7 @@ void decode_row(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
         __m512 p[G];
         for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[(kvh * G + g) * padded + l] * vs);
         for (int c = 0; c < DC; ++c) {
-          const __m512 v = load_codes16(vrow + 16 * c);
+          const __m512 v = Codes::load16(vrow + 16 * c);
           for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
         }
       }
@@ -196,6 +218,7 @@ void decode_row(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
 
 // Any head size (a multiple of 16) and group: one (row, KV head) with loops and buffers
 // sized at run time; the same order of sums as decode_row, scalar lane sums.
+template <typename Codes>
 void decode_any(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int64_t* slots,
                 const bool* valid, int64_t len, int64_t g_heads, int64_t d, int64_t row_stride,
                 float scale, float softcap, uint16_t* out, std::vector<float>& buf) {
@@ -219,7 +242,7 @@ void decode_any(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
     for (int64_t g = 0; g < g_heads; ++g) {
       __m512 s = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c)
-        s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), load_codes16(krow + 16 * c), s);
+        s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), Codes::load16(krow + 16 * c), s);
       float v = _mm512_reduce_add_ps(s) * row_scale(krow, d) * scale;
       if (softcap > 0.f) v = std::tanh(v / softcap) * softcap;
       scores[g * len + l] = v;
@@ -234,7 +257,7 @@ void decode_any(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
       const __m512 p = _mm512_set1_ps(scores[g * len + l] * row_scale(vrow, d));
       for (int64_t c = 0; c < chunks; ++c) {
         float* a = acc + g * d + 16 * c;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, load_codes16(vrow + 16 * c), _mm512_loadu_ps(a)));
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, Codes::load16(vrow + 16 * c), _mm512_loadu_ps(a)));
       }
     }
     const __m512 inv = _mm512_set1_ps(total > 0.f ? 1.f / total : 0.f);
@@ -249,45 +272,35 @@ using RowFn = void (*)(const uint16_t*, const int8_t*, const int8_t*, const int6
                       const bool*, int64_t, int64_t, int64_t, float, float, bool, bool,
                       uint16_t*, std::vector<float>&);
 
-template <int DC>
+template <typename Codes, int DC>
 RowFn fixed_kernel_of(int64_t g) {
   switch (g) {
-    case 1: return decode_row<DC, 1>;
-    case 2: return decode_row<DC, 2>;
-    case 3: return decode_row<DC, 3>;
-    case 4: return decode_row<DC, 4>;
-    case 5: return decode_row<DC, 5>;
-    case 6: return decode_row<DC, 6>;
-    case 7: return decode_row<DC, 7>;
-    case 8: return decode_row<DC, 8>;
+    case 1: return decode_row<Codes, DC, 1>;
+    case 2: return decode_row<Codes, DC, 2>;
+    case 3: return decode_row<Codes, DC, 3>;
+    case 4: return decode_row<Codes, DC, 4>;
+    case 5: return decode_row<Codes, DC, 5>;
+    case 6: return decode_row<Codes, DC, 6>;
+    case 7: return decode_row<Codes, DC, 7>;
+    case 8: return decode_row<Codes, DC, 8>;
     default: return nullptr;
   }
 }
 
-// paged_decode's choice: a model's shape picks one kernel for all of its rows.
+// paged_decode's choice: a model's shape (and its cache's codes) pick one kernel for all of
+// its rows.
+template <typename Codes>
 RowFn fixed_kernel(int64_t d, int64_t g) {
-  return d == 64 ? fixed_kernel_of<4>(g) : d == 128 ? fixed_kernel_of<8>(g) : nullptr;
+  return d == 64 ? fixed_kernel_of<Codes, 4>(g) : d == 128 ? fixed_kernel_of<Codes, 8>(g)
+                                                           : nullptr;
 }
 
-at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const at::Tensor& slots,
-                             const at::Tensor& valid, double scale, double softcap) {
-  llmserve_native::check_int8_decode_operands(q, k_cache, v_cache, slots, valid);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.size(2) % 16 == 0,
-              "paged_decode_int8: bf16 queries with a head size of a multiple of 16");
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
-  const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), vm = valid.contiguous();
-  at::Tensor out = at::empty({b, h * d}, q.options());
-  const int64_t len = sc.size(1), g_heads = h / hkv, width = d + 4, row_stride = hkv * width;
-  if (b == 0) return out;
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-  const int8_t* kp = k_cache.data_ptr<int8_t>();
-  const int8_t* vp = v_cache.data_ptr<int8_t>();
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  const bool* mp = vm.data_ptr<bool>();
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float sf = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  if (const RowFn fixed = fixed_kernel(d, g_heads)) {
+template <typename Codes>
+void decode_rows(const uint16_t* qp, const int8_t* kp, const int8_t* vp, const int64_t* sp,
+                 const bool* mp, int64_t b, int64_t h, int64_t d, int64_t hkv, int64_t len,
+                 float sf, float cap, uint16_t* op) {
+  const int64_t g_heads = h / hkv, width = d + 4, row_stride = hkv * width;
+  if (const RowFn fixed = fixed_kernel<Codes>(d, g_heads)) {
     llmserve_native::run_decode_tasks(
         b, hkv, sp, mp, len, [&](int64_t i, int64_t kvh, int64_t task_hkv, int64_t keys,
                                  bool pull, bool prefetch_v, std::vector<float>& buf) {
@@ -295,23 +308,47 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache,
           fixed(qp + head * d, kp + kvh * width, vp + kvh * width, sp + i * len, mp + i * len,
                 keys, task_hkv, row_stride, sf, cap, pull, prefetch_v, op + head * d, buf);
         });
-    return out;
+    return;
   }
   at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / hkv, kvh = task % hkv, head = i * h + kvh * g_heads;
-      decode_any(qp + head * d, kp + kvh * width, vp + kvh * width, sp + i * len, mp + i * len,
-                 len, g_heads, d, row_stride, sf, cap, op + head * d, buf);
+      decode_any<Codes>(qp + head * d, kp + kvh * width, vp + kvh * width, sp + i * len,
+                        mp + i * len, len, g_heads, d, row_stride, sf, cap, op + head * d, buf);
     }
   });
+}
+
+at::Tensor paged_decode_q8(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slots,
+                           const at::Tensor& valid, double scale, double softcap) {
+  llmserve_native::check_code_decode_operands(q, k_cache, v_cache, slots, valid);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.size(2) % 16 == 0,
+              "paged_decode_q8: bf16 queries with a head size of a multiple of 16");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), vm = valid.contiguous();
+  at::Tensor out = at::empty({b, h * d}, q.options());
+  if (b == 0) return out;
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const int8_t* kp = reinterpret_cast<const int8_t*>(k_cache.data_ptr());
+  const int8_t* vp = reinterpret_cast<const int8_t*>(v_cache.data_ptr());
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const bool* mp = vm.data_ptr<bool>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float sf = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (k_cache.scalar_type() == at::kChar) {
+    decode_rows<Int8Codes>(qp, kp, vp, sp, mp, b, h, d, hkv, sc.size(1), sf, cap, op);
+  } else {
+    decode_rows<Fp8Codes>(qp, kp, vp, sp, mp, b, h, d, hkv, sc.size(1), sf, cap, op);
+  }
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_native, m) {
-  m.def("paged_decode_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
+  m.def("paged_decode_q8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor valid, float scale, float softcap) -> Tensor");
-  m.impl("paged_decode_int8", c10::DispatchKey::CPU, TORCH_FN(paged_decode_int8));
+  m.impl("paged_decode_q8", c10::DispatchKey::CPU, TORCH_FN(paged_decode_q8));
 }
