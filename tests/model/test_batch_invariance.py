@@ -277,25 +277,26 @@ def test_a_norm_sums_a_row_the_same_way_alone_batched_and_in_every_compiled_grap
         assert differing == 0, f"{path}: {differing} of {len(ids)} rows differ"
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_float32_model_gives_the_same_logits_alone_batched_and_chunked(gguf_path, params):
+@pytest.mark.parametrize("kv,params", [("auto", GREEDY), ("auto", SEEDED), ("int8", GREEDY)],
+                         ids=["greedy", "seeded", "int8-kv-greedy"])
+def test_a_float32_model_gives_the_same_logits_alone_batched_and_chunked(gguf_path, kv, params):
     """``--dtype float32`` (exact fp32) beside the bf16 kernels of an AVX-512 tier: its
-    float32 KV cache is read by the avx2 library's float32 ``paged_decode`` in decodes and
+    float32 (or int8) KV cache is read by the avx2 library's ``paged_decode`` in decodes and
     prompt rows alike, so a row's logits do not depend on the batch or on chunking (compiled
     decodes once attended by inductor's loops, summed in another order than mixed steps)."""
-    from llmserve.model.attention.native_decode import native_decode_dtypes
+    from llmserve.model.attention.native_decode import native_decode_serves
 
     def fp32(**kw) -> LLM:
         return LLM(gguf_path, dtype="float32", quantization="auto", num_kv_blocks=512,
                    block_size=16, max_num_seqs=16, enforce_eager=False,
-                   enable_prefix_caching=False, **kw)
+                   enable_prefix_caching=False, kv_cache_dtype=kv, **kw)
 
     llm = fp32()
     assert llm.engine.runner.compiled is not None
-    native = torch.float32 in native_decode_dtypes()
+    native = native_decode_serves(torch.float32, torch.int8 if kv == "int8" else None)
     assert llm.engine.runner.backend.native_decode is native
     if not native:
-        pytest.skip("no float32 decode kernel on this CPU tier")
+        pytest.skip("no float32 decode kernel for this cache on this CPU tier")
     alone = [run(llm, [p], params) for p in TARGETS]
     alone = ([a[0][0] for a in alone], [a[1][0] for a in alone])
     got = run(llm, TARGETS + FILLERS[:12], params)

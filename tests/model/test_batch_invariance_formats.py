@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.model.native.ops import cpu_tier
 from tests.model.test_batch_invariance import GREEDY, SEEDED, TARGETS, assert_same, engine, run
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
@@ -91,10 +90,6 @@ def test_a_q4_k_m_like_file_gives_the_same_tokens_after_prefix_hits_preemption_a
     assert_same(alone, run(spec, TARGETS, params), "Q4_K + Q6_K table: with suffix drafts")
 
 
-@pytest.mark.xfail(cpu_tier() == "none", strict=True,
-                   reason="known gap (docs/ARCHITECTURE.md, invariants): without a library, "
-                          "prefill chunks attend by SDPA with the chunk's own shapes, and a "
-                          "7-over-1 head group chunked by 16 moves logits by ~0.016")
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_wide_attention_group_gives_the_same_tokens_alone_and_in_batches(tmp_path, params):
     """Seven query heads over one KV head (head size 64: Qwen2.5-0.5B's group), whose decode

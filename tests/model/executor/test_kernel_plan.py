@@ -99,10 +99,12 @@ def test_forced_tiers_step_down_in_fresh_processes(tiny_q5):
     assert avx2["native_kernels"].get("int8_a8") is True
     assert avx2["native_kernels"].get("paged_decode") is True
     assert not any(avx2["native_kernels"].get(k) for k in ("int8", "qblock_a8", "silu_mul"))
-    assert avx2["attention"]["decode"] == "native paged_decode"
+    assert avx2["attention"]["decode"] == "native paged_decode (llmserve_avx2)"
     assert none["cpu"]["tier"] == "none" and not any(none["native_kernels"].values())
     assert none["cpu"]["a8_library"] is None
     assert none["attention"]["decode"] == "torch"
+    assert none["attention"]["prefill"] == "gather + SDPA, one decode row per token"
+    assert top["attention"]["decode"] == "native paged_decode (llmserve_native)"
     # every tier's norm is one opaque op: its library's rms_norm, else ATen's behind an op
     for plan in (top, bf16):
         assert plan["norm"] == "native rms_norm (llmserve_native)"
@@ -130,7 +132,12 @@ def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     native = native_decode_available() and (
         kv in ("int8", "fp8_e4m3") or (kv is None and torch.float32 in native_decode_dtypes()))
     assert llm.engine.runner.backend.native_decode is native
-    assert (llm.engine.runner.kernel_plan["attention"]["decode"] == "torch") is not native
+    decode = llm.engine.runner.kernel_plan["attention"]["decode"]
+    assert (decode == "torch") is not native
+    if native and cpu_tier().startswith("avx512"):
+        assert decode == {"int8": "native paged_decode_q8 (llmserve_native)",
+                          "fp8_e4m3": "native paged_decode_q8 (llmserve_native)",
+                          None: "native paged_decode (llmserve_avx2)"}[kv]
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0,
                                                       ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3

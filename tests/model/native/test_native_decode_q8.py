@@ -103,7 +103,9 @@ def test_the_avx2_kernel_reads_8bit_caches_under_bf16_and_float32_queries(avx2, 
 
 def _all_fp8_values(dtype: torch.dtype):
     """V rows holding every fp8 code but the two NaNs (scale 1), and one query row per V
-    row attending to it alone: the output is the row's values, rounded to ``dtype``."""
+    row attending to it alone: the output is the row's values, rounded to ``dtype``. K rows
+    decode through the same function (then widen to bf16, exactly), which the reference
+    tests above check."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     codes = torch.cat([codes, codes[:2]]).view(-1, 1, 64)           # 256 codes, 4 rows
     one = torch.tensor([1.0]).view(torch.uint8).expand(4, 1, 4)
@@ -130,13 +132,18 @@ def test_the_avx2_kernel_reads_every_fp8_code_as_torch_does(avx2, dtype):
 
 
 @needs_native
-def test_an_int8_cache_with_a_nan_in_a_masked_row_leaves_the_output_finite():
-    q, kc, vc, slots, valid = _case(9, 3, 64)
+@pytest.mark.parametrize("h,hkv", [(9, 3), (12, 1)])
+@pytest.mark.parametrize("code", CODES, ids=["int8", "fp8"])
+def test_a_masked_row_holding_nan_leaves_the_output_finite(h, hkv, code):
+    # a masked key's row (never written: here a NaN scale) is read neither for its score nor
+    # for its value, in the fixed kernel and the run-time one
+    q, kc, vc, slots, valid = _case(h, hkv, 64, code=code)
     hole = slots[4, 42]                           # masked in row 4 (its window's hole)
-    kc.view(torch.uint8)[hole, :, 64:] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
-    vc.view(torch.uint8)[hole, :, 64:] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+    nan = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+    kc.view(torch.uint8)[hole, :, 64:] = nan
+    vc.view(torch.uint8)[hole, :, 64:] = nan
     out = torch.ops.llmserve_native.paged_decode_q8(q[4:5], kc, vc, slots[4:5], valid[4:5],
-                                                      0.125, 0.0)
+                                                    0.125, 0.0)
     assert torch.isfinite(out.float()).all()
 
 

@@ -27,77 +27,92 @@ from typing import Any, Optional
 
 import torch
 
-from llmserve.model.native.ops import kernel_checked, tier_ops
+from llmserve.model.native.ops import kernel_checked
 
-#: ``paged_decode`` of each (query, cache) dtype pair (filled by :func:`_decode_ops` and
-#: :func:`native_decode_serves`)
+#: the operator serving each (query, cache) dtype pair here, once its self-test passed
 _PAGED_DECODE: "dict[tuple[torch.dtype, torch.dtype], Any]" = {}
 
 #: the 8-bit KV cache dtypes a native kernel reads (codes and a float32 scale a row,
 #: :mod:`llmserve.model.quant.kv`)
-_CODE_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d)
-
-#: (query, cache) dtype pairs the avx2 library's ``paged_decode`` serves beyond the tier
-#: library's own, loaded on the first ask: float32 caches on the AVX-512 tiers, and 8-bit
-#: caches under float32 queries
-_AVX2_PAIRS = ((torch.float32, torch.float32),
-               *((torch.float32, code) for code in _CODE_DTYPES))
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slots: torch.Tensor, valid: torch.Tensor, scale: float,
                         softcap: Optional[float] = None) -> torch.Tensor:
     """``q (B, H, D)`` against cached rows ``slots (B, L)`` where ``valid (B, L)`` ->
-    ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`."""
+    ``(B, H * D)``: the contract of :func:`~llmserve.model.attention.paged.paged_decode_inplace`.
+
+    Raises:
+        RuntimeError: no native kernel takes these query and cache dtypes here.
+    """
     key = (q.dtype, k_cache.dtype)
-    op = _PAGED_DECODE.get(key) or _decode_ops()[key]
+    op = _PAGED_DECODE.get(key)
+    if op is None:
+        if not native_decode_serves(*key):
+            raise RuntimeError(f"paged_decode_native: no native kernel for {key[0]} queries "
+                               f"over a {key[1]} cache on this CPU tier")
+        op = _PAGED_DECODE[key]
     return op(q, k_cache, v_cache, slots, valid, scale, float(softcap or 0.0))
 
 
-def _decode_ops() -> "dict[tuple[torch.dtype, torch.dtype], Any]":
-    """The ``paged_decode`` operator of each (query, cache) dtype pair, looked up once: the
-    tier library's for bf16 queries over bf16 or 8-bit (int8, fp8 e4m3) caches
-    (``paged_decode`` and ``paged_decode_q8`` on the AVX-512 tiers; on the avx2 tier its one
-    ``paged_decode``, float32 too); the avx2 library's other pairs are added by
-    :func:`native_decode_serves` when a model asks."""
-    from llmserve.model.native.ops import cpu_tier
+def native_decode_kernel(dtype: torch.dtype,
+                         kv_dtype: Optional[torch.dtype] = None) -> "tuple[str, str] | None":
+    """``(library, operator)`` that would serve queries of ``dtype`` over a cache of
+    ``kv_dtype`` (default ``dtype``) on this CPU tier, or None: on the avx2 tier its one
+    ``paged_decode`` (bf16 or float32 queries over their own dtype or 8-bit codes); on the
+    AVX-512 tiers ``paged_decode`` (bf16 caches) and ``paged_decode_q8`` (8-bit caches) under
+    bf16 queries, and the avx2 library's kernel under float32 queries (loaded beside)."""
+    from llmserve.model.native.ops import cpu_tier, tier_library
 
-    if not _PAGED_DECODE:
-        ops = tier_ops()
-        if ops is None:
-            raise RuntimeError("paged_decode_native: no native library on this CPU tier")
-        _PAGED_DECODE[(torch.bfloat16, torch.bfloat16)] = ops.paged_decode
-        avx2 = cpu_tier() == "avx2"   # its one kernel reads bf16, float32 and 8-bit caches
-        if avx2:
-            _PAGED_DECODE[(torch.float32, torch.float32)] = ops.paged_decode
-        for code in _CODE_DTYPES:
-            _PAGED_DECODE[(torch.bfloat16, code)] = \
-                ops.paged_decode if avx2 else ops.paged_decode_q8
-    return _PAGED_DECODE
+    key = (dtype, dtype if kv_dtype is None else kv_dtype)
+    coded = key[1] in _CODE_DTYPES
+    if key[0] not in (torch.bfloat16, torch.float32) or not (coded or key[1] == key[0]):
+        return None
+    library = tier_library()
+    if library is None:
+        return None
+    if cpu_tier() == "avx2":
+        return library, "paged_decode"
+    if key[0] == torch.float32:
+        return "llmserve_avx2", "paged_decode"
+    return library, "paged_decode_q8" if coded else "paged_decode"
 
 
 def native_decode_serves(dtype: torch.dtype, kv_dtype: Optional[torch.dtype] = None) -> bool:
-    """A native ``paged_decode`` takes queries of ``dtype`` over a cache of ``kv_dtype``
-    (default: ``dtype``) here: the library is loaded and the kernel passed its self-test.
-    Float32 caches on the AVX-512 tiers and 8-bit caches under float32 queries take the avx2
-    library's kernel, loaded beside the tier's own on the first ask only, so a bf16 model with a bf16
-    cache never builds or loads it (decided once per process and pair)."""
-    from llmserve.model.native.ops import avx2_library_loaded
+    """A native kernel (:func:`native_decode_kernel`) takes queries of ``dtype`` over a cache
+    of ``kv_dtype`` (default: ``dtype``) here: its library is loaded and the kernel passed
+    its self-test for that pair, decided once per process and pair. The avx2 library is
+    built and loaded beside the AVX-512 one on the first float32 ask only, so a bf16 model
+    never builds or loads it."""
+    from llmserve.model.native.ops import avx2_library_loaded, tier_library
 
     key = (dtype, dtype if kv_dtype is None else kv_dtype)
-    if not native_decode_available():
-        return False
-    if key in _decode_ops():
+    if key in _PAGED_DECODE:
         return True
-    if key not in _AVX2_PAIRS or not avx2_library_loaded():
+    kernel = native_decode_kernel(*key)
+    if kernel is None:
         return False
-    _PAGED_DECODE.setdefault(key, torch.ops.llmserve_avx2.paged_decode)
-    name = "paged_decode_float32" if key[1] == torch.float32 else \
-        f"paged_decode_float32_over_{str(key[1]).removeprefix('torch.')}"
-    if kernel_checked(name, lambda: _self_test((key,)), library=avx2_library_loaded):
+    library, name = kernel
+    loaded = avx2_library_loaded if library != tier_library() else lambda: True
+
+    def test() -> bool:
+        _PAGED_DECODE[key] = getattr(getattr(torch.ops, library), name)
+        return _self_test(key)
+
+    if kernel_checked(_check_name(key), test, library=loaded):
         return True
     _PAGED_DECODE.pop(key, None)
     return False
+
+
+def _check_name(key: "tuple[torch.dtype, torch.dtype]") -> str:
+    """The self-test's name of a (query, cache) pair: ``paged_decode`` for bf16 over bf16,
+    ``paged_decode_float32`` for float32 over float32, else ``paged_decode_<q>_over_<kv>``."""
+    if key[0] == key[1]:
+        return "paged_decode" if key[0] == torch.bfloat16 else "paged_decode_float32"
+    q, kv = (str(d).removeprefix("torch.") for d in key)
+    return f"paged_decode_{q}_over_{kv}"
 
 
 def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
@@ -107,22 +122,24 @@ def native_decode_dtypes() -> "tuple[torch.dtype, ...]":
     return tuple(d for d in (torch.bfloat16, torch.float32) if native_decode_serves(d))
 
 
-def _self_test(pairs: "tuple[tuple[torch.dtype, torch.dtype], ...] | None" = None) -> bool:
-    """``paged_decode`` of each (query, cache) dtype pair of ``pairs`` (default: the tier
-    library's own) against the PyTorch reference."""
+def _self_test(key: "tuple[torch.dtype, torch.dtype]") -> bool:
+    """The kernel of a (query, cache) dtype pair against the PyTorch reference: 3 and 40
+    rows (a task per row and KV head, and a task a row), a fixed group (6 heads over 2) and
+    one sized at run time (20 over 2)."""
     from llmserve.model.attention.paged import paged_decode_inplace
     from llmserve.model.quant.kv import is_quantized_kv, quantize_kv
 
     gen = torch.Generator().manual_seed(0)
-    for dtype, kv_dtype in tuple(_decode_ops()) if pairs is None else pairs:
-        k, v = torch.randn(64, 2, 64, generator=gen), torch.randn(64, 2, 64, generator=gen)
-        if is_quantized_kv(kv_dtype):
-            kc, vc = quantize_kv(k, kv_dtype), quantize_kv(v, kv_dtype)
-        else:
-            kc, vc = k.to(kv_dtype), v.to(kv_dtype)
-        q = torch.randn(3, 6, 64, generator=gen).to(dtype)
-        slots = torch.randint(0, 64, (3, 20), generator=gen)
-        valid = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [7], [1]])
+    dtype, kv_dtype = key
+    k, v = torch.randn(64, 2, 64, generator=gen), torch.randn(64, 2, 64, generator=gen)
+    if is_quantized_kv(kv_dtype):
+        kc, vc = quantize_kv(k, kv_dtype), quantize_kv(v, kv_dtype)
+    else:
+        kc, vc = k.to(kv_dtype), v.to(kv_dtype)
+    for rows, heads in ((3, 6), (40, 6), (3, 20)):
+        q = torch.randn(rows, heads, 64, generator=gen).to(dtype)
+        slots = torch.randint(0, 64, (rows, 20), generator=gen)
+        valid = torch.arange(20).unsqueeze(0) < torch.randint(1, 21, (rows, 1), generator=gen)
         ref = paged_decode_inplace(q, kc, vc, slots, valid, 0.125).float()
         got = paged_decode_native(q, kc, vc, slots, valid, 0.125).float()
         if not bool(((got - ref).abs() <= 0.01).all()):
@@ -131,10 +148,9 @@ def _self_test(pairs: "tuple[tuple[torch.dtype, torch.dtype], ...] | None" = Non
 
 
 def native_decode_available() -> bool:
-    """This CPU tier's library is loaded and its decode attention checks out (once per
-    process)."""
-    return kernel_checked("paged_decode", _self_test, library=lambda: tier_ops() is not None)
-
+    """This CPU tier's library is loaded and its decode attention over bf16 caches checks
+    out (once per process)."""
+    return native_decode_serves(torch.bfloat16)
 
 
 def kv_store_native(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

@@ -12,7 +12,8 @@ faster than SDPA with a mask on these shapes (docs/BENCHMARKS.md).
 An 8-bit KV cache (int8, fp8 e4m3) takes a native kernel too on every tier with a library
 (it reads each row's codes and scale in place). Without a native kernel (the none tier)
 eager decode rows gather their blocks and call SDPA (:func:`torch_decode_attention`), and
-prefill chunks take the reference backend's grouped gather + SDPA. On the none tier compiled
+prefill rows attend the same way, each as the decode at its position
+(:func:`~llmserve.model.attention.reference.prompt_rows_as_decodes`). On the none tier compiled
 decodes call the same op, so a row attends alike in both; elsewhere without the kernel
 (other devices, a head size not of 16k) compiled decode and verify steps write the
 attention as
@@ -31,11 +32,16 @@ import torch
 from llmserve.model.attention.backend import AttentionMetadata, GroupMetadata, StepBatch, write_kv
 from llmserve.model.attention.native_decode import (
     kv_store_native,
+    native_decode_kernel,
     native_decode_serves,
     native_kv_store_available,
     paged_decode_native,
 )
-from llmserve.model.attention.reference import ReferenceBackend, decode_group_attention
+from llmserve.model.attention.reference import (
+    ReferenceBackend,
+    decode_group_attention,
+    prompt_rows_as_decodes,
+)
 from llmserve.model.layers.cpu_kernels import cpu_op
 from llmserve.model.native.ops import tier_ops
 from llmserve.model.quant.kv import load_kv
@@ -145,6 +151,9 @@ class PagedBackend(ReferenceBackend):
         # over an 8-bit cache (int8, fp8: on every tier with a library), head sizes of 16k
         self.native_decode = ((device is None or device.type == "cpu")
                               and head_dim % 16 == 0 and native_decode_serves(dtype, kv_dtype))
+        kernel = native_decode_kernel(dtype, kv_dtype) if self.native_decode else None
+        #: the native operator decodes and prompt rows call, for the kernel plan
+        self.decode_kernel = f"{kernel[1]} ({kernel[0]})" if kernel else None
         # eager steps write their K/V rows by native row copies (compiled steps keep the
         # copy inductor fuses with the rotary embedding): the same bytes
         self.native_store = (self.native_decode and kv_dtype == torch.bfloat16
@@ -185,10 +194,16 @@ class PagedBackend(ReferenceBackend):
                       window: Optional[int] = None,
                       softcap: Optional[float] = None) -> list[torch.Tensor]:
         """Prefill groups through the native kernel where it serves them (each query row
-        is a decode against its own causal keys), the rest through the reference."""
+        is a decode against its own causal keys), the rest through the reference; on the
+        none tier each row as its decode by the eager op (:func:`prompt_rows_as_decodes`)."""
         if not self.native_decode:
-            return super().group_outputs(q, k_cache, v_cache, meta, scale, groups, window,
-                                         softcap)
+            if self.inductor_decode:
+                return super().group_outputs(q, k_cache, v_cache, meta, scale, groups,
+                                             window, softcap)
+            return [prompt_rows_as_decodes(q[g.token_start:g.token_start + g.num_tokens],
+                                           k_cache, v_cache, g, meta.block_size, scale,
+                                           window, softcap)
+                    for g in groups]
         outs = []
         for g in groups:
             rows = _native_prefill_rows(g, meta.block_size, window)

@@ -58,6 +58,39 @@ def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return o.reshape(b, h * d)
 
 
+def prompt_rows_as_decodes(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           g: GroupMetadata, block_size: int, scale: float,
+                           window: Optional[int] = None,
+                           softcap: Optional[float] = None) -> torch.Tensor:
+    """A prefill group's rows ``qg (N, H, D)``, each attended as the decode at its position:
+    :func:`decode_group_attention`'s SDPA (the G query heads of a KV head as its G queries,
+    the keys up to the row's position valid), so a prompt row gets the sums its decode
+    would, whatever the chunking (grouped SDPA over a chunk's own query count sums
+    otherwise: a 7-over-1 head group chunked by 16 moved logits by ~0.016). A sequence's
+    context is gathered once and broadcast to its rows (a view, not a copy); one SDPA call
+    a sequence of the group. A group of one-token chunks is a decode group already."""
+    if g.is_decode:
+        return decode_group_attention(qg, k_cache, v_cache, g.block_ids,
+                                      g.mask_for(window).view(g.block_ids.shape[0], -1),
+                                      block_size, scale, softcap)
+    counts = g.cached("rows_per_sequence", lambda: torch.bincount(
+        torch.div(g.output_index, g.max_query, rounding_mode="floor"),
+        minlength=g.block_ids.shape[0]).tolist())
+    mask = g.mask_for(window)                                # (B, 1, Qmax, L)
+    h, d = qg.shape[1], qg.shape[2]
+    outs, start = [], 0
+    for b, n in enumerate(counts):
+        keys = gather_blocks(k_cache, g.block_ids[b:b + 1], block_size, qg.dtype)
+        values = gather_blocks(v_cache, g.block_ids[b:b + 1], block_size, qg.dtype)
+        hkv = keys.shape[1]
+        o = attend(qg[start:start + n].view(n, hkv, h // hkv, d), keys.expand(n, -1, -1, -1),
+                   values.expand(n, -1, -1, -1), mask[b, 0, :n].view(n, 1, 1, -1), scale,
+                   softcap)
+        outs.append(o.reshape(n, h * d))
+        start += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
 class ReferenceBackend(AttentionBackend):
     """Gather + SDPA for every group; correct for any step, copies the context per layer."""
 

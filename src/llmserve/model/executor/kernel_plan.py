@@ -64,6 +64,7 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
     norms = sorted({rows_norm_name(m.rows_norm) for m in model.modules()
                     if isinstance(m, RMSNorm)})
     native_decode = bool(getattr(backend, "native_decode", False))
+    kernel = getattr(backend, "decode_kernel", None) or "paged_decode"
     return {
         "cpu": {"tier": cpu_tier(), "flags": [f for f in _FLAGS if f in cpu_flags()],
                 # which library's int4_a8_mm / int8_a8_mm the -a8 formats run
@@ -77,9 +78,10 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
         "norm": ", ".join(norms) or "none",
         "attention": {
             "backend": getattr(backend, "name", type(backend).__name__),
-            "decode": "native paged_decode" if native_decode else "torch",
-            "prefill": "native paged_decode (one causal row per token)" if native_decode
-            else "gather + SDPA",
+            "decode": f"native {kernel}" if native_decode else "torch",
+            "prefill": f"native {kernel}, one causal row per token" if native_decode
+            else "gather + SDPA" if getattr(backend, "inductor_decode", True)
+            else "gather + SDPA, one decode row per token",
         },
         "native_kernels": self_test_results(),
     }

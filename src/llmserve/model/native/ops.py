@@ -11,8 +11,8 @@ Fourteen operators, ``torch.ops.llmserve_native``:
 - ``qblock_a8_mm``: GGUF Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their own codes and scales
   x the same int8 activation rows (:mod:`llmserve.model.quant.native_qblock`; VNNI too), and
   ``qblock_rows``: rows of such a table decoded to float32 (a GGUF token table's lookup);
-- ``paged_decode`` / ``paged_decode_q8``: decode attention over a bf16 / int8 paged KV
-  cache, read in place (:mod:`llmserve.model.attention.native_decode`);
+- ``paged_decode`` / ``paged_decode_q8``: decode attention over a bf16 / 8-bit (int8 or
+  fp8 e4m3) paged KV cache, read in place (:mod:`llmserve.model.attention.native_decode`);
 - ``silu_mul``: the SwiGLU activation of a fused ``[gate | up]`` output
   (:mod:`llmserve.model.layers.activation`);
 - ``rotate_qk``: the rotary embedding of a prefill chunk's q and k
@@ -27,7 +27,7 @@ itself) and a C++ compiler. A second library, ``torch.ops.llmserve_avx2`` (``csr
 built with nothing beyond ``-mavx2 -mfma -mf16c``), serves the ``avx2`` tier: ``int4_a8_mm``
 and ``int8_a8_mm`` on the same packed layouts with the same results (vpmaddubsw/vpmaddwd in
 place of vpdpbusd; :func:`a8_ops` picks the namespace once), its own ``paged_decode`` (bf16,
-float32 or int8 caches; the AVX-512 tiers load this library too, for float32 queries), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
+float32 or 8-bit caches; the AVX-512 tiers load this library too, for float32 queries), and the portable ``rms_norm`` and ``f32_mm``. ``LLMSERVE_CPU_ISA`` forces a
 lower tier than the CPU has, so every tier runs on one machine (:func:`cpu_tier`):
 ``avx512_vnni`` (everything), ``avx512_bf16`` (no int8-activation kernels), ``avx2`` (the
 avx2 library's int8-activation products; PyTorch's for the rest) or ``none`` (no native

@@ -1,5 +1,5 @@
 // The AVX-512 decode attention kernels' shared parts (paged_decode.cpp for bf16 caches,
-// paged_decode_q8.cpp for int8 ones): the softmax's exponential, the lane sums of sixteen
+// paged_decode_q8.cpp for 8-bit ones): the softmax's exponential, the lane sums of sixteen
 // keys' scores, and the split of a call's query rows over the threads. Both kernels run a
 // row with this arithmetic in this order whatever else is in the call.
 // _mm512_reduce_max_ps inlines GCC 12's `_mm256_undefined_pd` (`__Y = __Y`), which

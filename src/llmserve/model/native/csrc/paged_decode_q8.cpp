@@ -110,6 +110,7 @@ void decode_row(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
                 const bool* valid, int64_t len, int64_t hkv, int64_t row_stride, float scale,
                 float softcap, bool pull, bool prefetch_v, uint16_t* out,
                 std::vector<float>& buf) {
+  static_assert(DC % 2 == 0, "whole 32-code pairs: kb's rows stay 64-byte aligned");
   constexpr int d = DC * 16;
   constexpr int64_t width = d + 4;                  // bytes of one head's row
   const int64_t padded = (len + 15) / 16 * 16, heads = hkv * G;
@@ -217,7 +218,9 @@ void decode_row(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int
 }
 
 // Any head size (a multiple of 16) and group: one (row, KV head) with loops and buffers
-// sized at run time; the same order of sums as decode_row, scalar lane sums.
+// sized at run time; q . c by float32 fused multiply-adds over 16-wide chunks and one lane
+// reduction a key (not decode_row's order, but a model's shape picks one of the two for
+// all its rows).
 template <typename Codes>
 void decode_any(const uint16_t* q, const int8_t* kc, const int8_t* vc, const int64_t* slots,
                 const bool* valid, int64_t len, int64_t g_heads, int64_t d, int64_t row_stride,
