@@ -16,6 +16,7 @@ import torch
 
 from llmserve.model.native.ops import CPU_TIERS, cpu_tier
 from llmserve.model.platform import cpu_flags
+from llmserve.model.quant.kv import KV_QUANT_DTYPES
 from tests.model.tiny_checkpoints import make_tiny_checkpoint, make_tiny_gguf
 
 HAS_VNNI = CPU_TIERS["avx512_vnni"] <= cpu_flags()
@@ -122,15 +123,16 @@ def test_decode_attention_is_decided_once_from_the_dtypes(tiny_q5, kw):
     library's float32 kernel is loaded (its tier, or beside the AVX-512 library); the plan
     says so."""
     from llmserve import LLM, SamplingParams
-    from llmserve.model.attention.native_decode import (
-        native_decode_available,
-        native_decode_dtypes,
-    )
+    from llmserve.model.attention.native_decode import native_decode_serves
+    from llmserve.model.native.ops import tier_library
 
     llm = LLM(tiny_q5, num_kv_blocks=64, block_size=16, enforce_eager=True, **kw)
     kv = kw.get("kv_cache_dtype")
-    native = native_decode_available() and (
-        kv in ("int8", "fp8_e4m3") or (kv is None and torch.float32 in native_decode_dtypes()))
+    if kv is None:   # float32: the avx2 library's kernel, its own tier or loaded beside
+        native = native_decode_serves(torch.float32)
+    else:            # an 8-bit cache: a kernel wherever the tier has a library
+        native = tier_library() is not None
+        assert native_decode_serves(torch.bfloat16, KV_QUANT_DTYPES[kv]) is native
     assert llm.engine.runner.backend.native_decode is native
     decode = llm.engine.runner.kernel_plan["attention"]["decode"]
     assert (decode == "torch") is not native

@@ -172,3 +172,23 @@ def test_int8_decode_operand_errors_are_clear():
         op(q, kc, vc.view(torch.uint8).view(FP8), slots, valid, 0.1, 0.0)
     with pytest.raises(RuntimeError, match="slots"):
         op(q, kc, vc, slots[:, :10], valid, 0.1, 0.0)
+
+
+@needs_native
+def test_a_kernel_that_raises_in_its_self_test_is_not_used(monkeypatch, caplog):
+    # a (query, cache) pair whose operator rejects its operands (bf16 over an fp16 cache,
+    # routed here to paged_decode by hand): the self-test fails instead of raising, and no
+    # later call finds the operator registered for the pair
+    from llmserve.model.attention import native_decode
+
+    monkeypatch.setattr(native_decode, "native_decode_kernel",
+                        lambda dtype, kv_dtype=None: ("llmserve_native", "paged_decode"))
+    with caplog.at_level("WARNING", logger="llmserve.model.attention.native_decode"):
+        assert not native_decode.native_decode_serves(torch.bfloat16, torch.float16)
+    assert "raised in its self-test" in caplog.text
+    assert (torch.bfloat16, torch.float16) not in native_decode._PAGED_DECODE
+    assert ops.self_test_results()["paged_decode_bfloat16_over_float16"] is False
+    q, kc, vc, slots, valid = _case(9, 3, 64)
+    with pytest.raises(RuntimeError, match="no native kernel for torch.bfloat16 queries"):
+        native_decode.paged_decode_native(q, kc[:, :, :64].view(torch.float16)[:, :, :32]
+                                          .contiguous(), vc, slots, valid, 0.1)

@@ -58,6 +58,12 @@ def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return o.reshape(b, h * d)
 
 
+#: Largest broadcast context a soft-capped prompt block copies (bytes of K, then of V):
+#: ``capped_attention``'s matmuls sum a row of an expanded view otherwise than a row of its
+#: own, so soft-capped rows take contiguous copies, a bounded block of rows at a time.
+SOFTCAP_BLOCK_BYTES = 64 << 20
+
+
 def prompt_rows_as_decodes(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            g: GroupMetadata, block_size: int, scale: float,
                            window: Optional[int] = None,
@@ -67,8 +73,9 @@ def prompt_rows_as_decodes(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the keys up to the row's position valid), so a prompt row gets the sums its decode
     would, whatever the chunking (grouped SDPA over a chunk's own query count sums
     otherwise: a 7-over-1 head group chunked by 16 moved logits by ~0.016). A sequence's
-    context is gathered once and broadcast to its rows (a view, not a copy); one SDPA call
-    a sequence of the group. A group of one-token chunks is a decode group already."""
+    context is gathered once and broadcast to its rows (a view, not a copy; soft-capped
+    rows take copies, :data:`SOFTCAP_BLOCK_BYTES` at a time); one SDPA call a sequence of
+    the group. A group of one-token chunks is a decode group already."""
     if g.is_decode:
         return decode_group_attention(qg, k_cache, v_cache, g.block_ids,
                                       g.mask_for(window).view(g.block_ids.shape[0], -1),
@@ -83,10 +90,16 @@ def prompt_rows_as_decodes(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         keys = gather_blocks(k_cache, g.block_ids[b:b + 1], block_size, qg.dtype)
         values = gather_blocks(v_cache, g.block_ids[b:b + 1], block_size, qg.dtype)
         hkv = keys.shape[1]
-        o = attend(qg[start:start + n].view(n, hkv, h // hkv, d), keys.expand(n, -1, -1, -1),
-                   values.expand(n, -1, -1, -1), mask[b, 0, :n].view(n, 1, 1, -1), scale,
-                   softcap)
-        outs.append(o.reshape(n, h * d))
+        step = n if softcap is None else max(
+            1, SOFTCAP_BLOCK_BYTES // (keys.numel() * keys.element_size()))
+        for r in range(0, n, step):
+            m = min(step, n - r)
+            k, v = keys.expand(m, -1, -1, -1), values.expand(m, -1, -1, -1)
+            if softcap is not None:
+                k, v = k.contiguous(), v.contiguous()
+            o = attend(qg[start + r:start + r + m].view(m, hkv, h // hkv, d), k, v,
+                       mask[b, 0, r:r + m].view(m, 1, 1, -1), scale, softcap)
+            outs.append(o.reshape(m, h * d))
         start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
