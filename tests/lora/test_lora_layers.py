@@ -26,13 +26,24 @@ def fused_layer(method) -> Linear:
     return layer
 
 
+@pytest.mark.parametrize("products", ["native", "padded"])
 @pytest.mark.parametrize("method", [DenseLinearMethod(prepack=False), Int8LinearMethod(),
                                     Int4LinearMethod(32)], ids=["dense", "int8", "int4"])
-def test_delta_is_added_per_token_slot_over_any_base(method):
+def test_delta_is_added_per_token_slot_over_any_base(method, products, monkeypatch):
+    """Each slot's rows get its delta, base rows none, and every row the bits it has
+    alone: through ``f32_mm`` where the tier has it, else PyTorch's padded GEMMs (the none
+    tier)."""
+    import llmserve.lora.layers as lora_layers
+
+    if products == "padded":
+        monkeypatch.setattr(lora_layers, "native_f32_available", lambda: False)
+    elif not lora_layers.native_f32_available():
+        pytest.skip("no f32_mm on this CPU tier")
     base = fused_layer(method)
     state = LoraStepState(2)
     lora = LoraLinear(base, state, num_slots=2, max_rank=8, dtype=torch.float32,
                       device=torch.device("cpu"))
+    assert lora.native == (products == "native") and (lora.granule > 1) == (products == "padded")
     gen = torch.Generator().manual_seed(1)
     # slot 0: q and v shards (rank 4); slot 1: the k shard only (rank 8)
     a_q, b_q = torch.randn(R, IN, generator=gen), torch.randn(OUTS[0], R, generator=gen)
@@ -52,8 +63,13 @@ def test_delta_is_added_per_token_slot_over_any_base(method):
         want[t, k:v] += 0.5 * (x[t] @ a_v.T @ b_v.T)
     want[2, q:k] += 2.0 * (x[2] @ a_k.T @ b_k.T)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    state.set([2, 2], [3, 2], torch.float32, torch.device("cpu"))   # slot 1 only, no mask
-    assert state.mask is None and (state.lo, state.n) == (1, 1)
+    assert [(slot, rows.tolist()) for slot, rows in state.groups] == [(0, [1, 3]), (1, [2])]
+    # each token's row is the bits it has alone (one sequence of one token)
+    for t, index in enumerate(slots):
+        state.set([index], [1], torch.float32, torch.device("cpu"))
+        assert torch.equal(lora(x[t:t + 1])[0], got[t]), t
+    state.set([2, 2], [3, 2], torch.float32, torch.device("cpu"))   # slot 1 only
+    assert [(slot, rows.tolist()) for slot, rows in state.groups] == [(1, [0, 1, 2, 3, 4])]
     want_k = base(x).clone()
     want_k[:, q:k] += 2.0 * (x @ a_k.T @ b_k.T)
     torch.testing.assert_close(lora(x), want_k, atol=1e-4, rtol=1e-4)

@@ -171,7 +171,7 @@ before = spec.engine.get_stats().spec_accepted_tokens_total
 drafted = run(spec, TARGETS[:3], long)
 torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled is not None,
             "dtype": plan["dtype"], "head": plan["lm_head"], "linears": plan["linear"],
-            "f32": plan["native_kernels"].get("f32"),
+            "f32": plan["native_kernels"].get("f32"), "granules": plan["gemm_row_granule"],
             "alone": ([a[0][0] for a in alone], [a[1][0] for a in alone]),
             "batched": (batched[0][:4], batched[1][:4]), "first": first, "drafted": drafted,
             "small": (small[0][:4], small[1][:4]),
@@ -184,7 +184,9 @@ torch.save({"tier": plan["cpu"]["tier"], "compiled": llm.engine.runner.compiled 
 
 @pytest.mark.parametrize("tier,quant,dtype", [("avx2", "Q6_K", "auto"),
                                               ("avx2", "dense", "auto"),
-                                              ("none", "Q4_1", "bfloat16")])
+                                              ("none", "Q4_1", "bfloat16"),
+                                              ("none", "dense", "float32"),
+                                              ("none", "dense", "bfloat16")])
 def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp_path, tier,
                                                                             quant, dtype):
     """The same check on a forced lower tier (``LLMSERVE_CPU_ISA``, a fresh process: the
@@ -194,9 +196,10 @@ def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp
     attention and norm) for a Q6_K file and for a dense checkpoint, both ``--dtype auto``
     (float32 on this tier: the dense linears run the library's ``f32_mm``, PyTorch's
     float32 GEMM sums by the row count); none (PyTorch's int4 product at every row count,
-    decode and verified rows through one attention op) for a Q4_1 file in bf16. Not covered
-    on the none tier (docs/ARCHITECTURE.md, invariants): float32 dense weights, whose GEMMs
-    are PyTorch's own."""
+    decode and verified rows through one attention op) for a Q4_1 file in bf16, and for a
+    dense checkpoint in float32 and bf16 (oneDNN's prepacked products, every call's rows
+    padded to the granule at which they sum a row as alone: gemm_row_granule; float32 took
+    MKL's unpadded GEMM before, 2.9e-06 apart in a batch of 9)."""
     import os
     import subprocess
     import sys
@@ -213,9 +216,15 @@ def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp
                    check=True, capture_output=True, text=True, timeout=600, cwd=repo)
     got = torch.load(out)
     assert got["tier"] == tier and got["compiled"]
-    if quant == "dense":   # float32 weights through the library's float32 product
+    if quant == "dense" and tier != "none":   # float32 weights through the library's f32_mm
         assert got["dtype"] == "float32" and got["head"] == "tied:f32_mm", got["head"]
         assert got["linears"] == {"dense": 4 * 2} and got["f32"]
+        assert got["granules"] == {}
+    elif quant == "dense":   # PyTorch's GEMMs, their calls padded to a row granule
+        onednn = got["head"] == "tied:onednn-prepacked"
+        kind = ("onednn-" if onednn else "") + ("bf16" if onednn and dtype == "bfloat16"
+                                                 else dtype)
+        assert got["granules"].get(kind, 0) > 1, got["granules"]
     what = f"{tier} tier, {quant}"
     assert_same(got["alone"], got["small"], f"{what}: batch of 9")
     assert_same(got["alone"], got["batched"], f"{what}: batch of 64")

@@ -5,9 +5,10 @@ Built by the runner after loading (:func:`kernel_plan`), logged as one block at 
 and hashed into the engine fingerprint (its ``kernels`` part: two engines whose products differ
 never share cached prefixes or responses). Every entry is what the layers already hold:
 each linear's packed format (chosen at load), the LM head's and the embedding's, the attention
-backend's decode and prefill paths (chosen at construction), and the native kernels that passed
-their self-tests. ``step`` (compiled or eager) is reported but not hashed: a background compile
-switches it while serving, with identical logits.
+backend's decode and prefill paths (chosen at construction), the native kernels that passed
+their self-tests, and the row granule of each PyTorch GEMM that dense weights fell to.
+``step`` (compiled or eager) is reported but not hashed: a background compile switches it
+while serving, with identical logits.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any
 from torch import nn
 
 from llmserve.model.layers.activation import GATED_ACTIVATIONS, native_silu_mul
+from llmserve.model.layers.cpu_kernels import packed_kind, packed_row_granule
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
+from llmserve.model.layers.linear import Linear
 from llmserve.model.layers.native_dense import native_product_name
 from llmserve.model.layers.norm import RMSNorm, rows_norm_name
 from llmserve.model.native.ops import a8_library, cpu_tier, self_test_results
@@ -39,6 +42,23 @@ def _lm_head(head: LMHead) -> str:
     if tied is not None and tied.qweight is not None:
         return f"tied:{tied.qweight.format_name}"
     return "tied:dense"
+
+
+def _gemm_row_granules(model: nn.Module) -> dict[str, int]:
+    """The PyTorch GEMMs this model's dense weights fell to (no native product took them),
+    by kind, with the row granule their calls pad to (gemm_row_granule)."""
+    found: dict[str, int] = {}
+    for module in model.modules():
+        pid = getattr(module, "packed_id", None)
+        if pid is not None:
+            found[packed_kind(pid)] = packed_row_granule(pid)
+        weight = getattr(module, "weight", None)
+        if isinstance(module, Linear) and hasattr(module, "row_granule") and weight is not None \
+                and weight.device.type == "cpu":
+            found[str(weight.dtype).removeprefix("torch.")] = module.row_granule
+        if isinstance(module, LMHead) and module.row_granule > 1:
+            found[str(module.tied.weight.dtype).removeprefix("torch.")] = module.row_granule
+    return dict(sorted(found.items()))
 
 
 def _activation(fn: object) -> str:
@@ -84,6 +104,8 @@ def kernel_plan(model: nn.Module, backend: Any, dtype: str, kv_dtype: str) -> di
             else "gather + SDPA, one decode row per token",
         },
         "native_kernels": self_test_results(),
+        # PyTorch GEMMs that dense weights fall to, and the row granule their calls pad to
+        "gemm_row_granule": _gemm_row_granules(model),
     }
 
 
@@ -105,4 +127,9 @@ def format_kernel_plan(plan: dict[str, Any], step: str) -> str:
         + (f"; int8-activation products from {plan['cpu']['a8_library']}"
            if plan["cpu"].get("a8_library") else ""),
     ]
+    granules = plan.get("gemm_row_granule") or {}
+    if granules:
+        lines.append("  torch gemm: " + ", ".join(
+            f"{kind} rows padded to {g}" if g > 1 else f"{kind} rows not padded (row-count dependent)"
+            for kind, g in granules.items()))
     return "\n".join(lines)

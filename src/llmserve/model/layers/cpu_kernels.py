@@ -1,8 +1,10 @@
-"""CPU kernels behind custom ops: oneDNN-prepacked dense linears.
+"""CPU kernels behind custom ops: oneDNN-prepacked dense linears, padded GEMM rows.
 
-oneDNN multiplies a bf16 weight stored in its own blocked layout at a much higher share of
-the memory bandwidth than ``F.linear`` on the row-major layout (the step at batch 1 is a
-chain of matrix-vector products, so that share is the step time). A packed weight is an
+oneDNN multiplies a bf16 or float32 weight stored in its own blocked layout at a much
+higher share of the memory bandwidth than ``F.linear`` on the row-major layout (the step at
+batch 1 is a chain of matrix-vector products, so that share is the step time). Both products
+pad their rows to the row granule of their GEMM (gemm_row_granule), so a row sums the same
+way at every row count. A packed weight is an
 opaque oneDNN tensor that ``torch.compile`` cannot trace, so the product is a custom op
 (``llmserve::packed_linear``) that takes the weight's registry id: compiled graphs call it as
 an external kernel and fuse everything around it, eager code calls the same op.
@@ -13,53 +15,71 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
+
+from llmserve.model.layers.gemm_row_granule import pad_rows, row_granule
 
 logger = logging.getLogger(__name__)
 
 _packed_bytes: dict[int, int] = {}
 _ids = itertools.count(1)
-_owners: dict[int, torch.Tensor] = {}  # id -> packed tensor
-_probe_result: "bool | None" = None
+_owners: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (packed tensor, its row granule)
+_kinds: dict[int, str] = {}   # id -> its row-granule kind (PACKED_KINDS)
+_probe_results: dict[torch.dtype, bool] = {}
+#: weight dtypes oneDNN's prepacked product takes, and their row-granule kinds
+PACKED_KINDS = {torch.bfloat16: "onednn-bf16", torch.float32: "onednn-float32"}
 
 
-def _probe() -> bool:
-    """oneDNN bf16 linear works on this machine (checked once, on a tiny matrix)."""
-    global _probe_result
-    if _probe_result is None:
+def _probe(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """oneDNN's linear in ``dtype`` works on this machine (checked once, on a tiny matrix)."""
+    if dtype not in _probe_results:
         try:
-            w = torch.randn(8, 16, dtype=torch.bfloat16)
-            x = torch.randn(2, 16, dtype=torch.bfloat16)
+            w = torch.randn(8, 16, dtype=dtype)
+            x = torch.randn(2, 16, dtype=dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
             y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            _probe_result = bool(torch.allclose(y.float(), (x.float() @ w.float().T),
-                                                atol=0.1, rtol=0.05))
+            _probe_results[dtype] = bool(torch.allclose(y.float(), (x.float() @ w.float().T),
+                                                        atol=0.1, rtol=0.05))
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
-            logger.info("oneDNN prepacked linear unavailable: %s", exc)
-            _probe_result = False
-    return _probe_result
+            logger.info("oneDNN prepacked %s linear unavailable: %s", dtype, exc)
+            _probe_results[dtype] = False
+    return _probe_results[dtype]
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """Prepack bf16 CPU weights when oneDNN is usable."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and _probe())
+    """Prepack bf16 and float32 CPU weights when oneDNN's linear works in their dtype."""
+    return (weight.device.type == "cpu" and weight.dtype in PACKED_KINDS
+            and torch.backends.mkldnn.is_available() and _probe(weight.dtype))
 
 
 def prepack_linear(weight: torch.Tensor) -> int:
-    """Pack ``weight (out, in)`` into oneDNN's layout; returns its id for ``packed_linear``."""
+    """Pack ``weight (out, in)`` into oneDNN's layout; returns its id for ``packed_linear``.
+    Its products pad their rows to the dtype's row granule (gemm_row_granule)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
     pid = next(_ids)
-    _owners[pid] = packed
+    _kinds[pid] = PACKED_KINDS[weight.dtype]
+    _owners[pid] = (packed, row_granule(_kinds[pid]))
     _packed_bytes[pid] = weight.numel() * weight.element_size()
     return pid
+
+
+def packed_row_granule(pid: int) -> int:
+    """The row granule the products of packed weight ``pid`` pad their calls to."""
+    return _owners[pid][1]
+
+
+def packed_kind(pid: int) -> str:
+    """``onednn-bf16`` or ``onednn-float32``: the prepacked product of weight ``pid``."""
+    return _kinds[pid]
 
 
 def release(pid: int) -> None:
     """Forget a packed weight (its module is gone)."""
     _owners.pop(pid, None)
+    _kinds.pop(pid, None)
     _packed_bytes.pop(pid, None)
 
 
@@ -95,13 +115,42 @@ def _packed_linear_fake(x: torch.Tensor, pid: int, out_features: int) -> torch.T
 
 @cpu_op("packed_linear(Tensor x, int pid, int out_features) -> Tensor", _packed_linear_fake)
 def packed_linear(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
-    """``x @ W^T`` for the prepacked weight ``pid`` (bf16)."""
-    weight = _owners.get(pid)
-    if weight is None:
+    """``x @ W^T`` for the prepacked weight ``pid`` (bf16 or float32), its rows padded to
+    oneDNN's row granule (a row's sums never depend on the call's row count)."""
+    owned = _owners.get(pid)
+    if owned is None:
         raise RuntimeError(f"packed weight {pid} was released")
+    weight, granule = owned
     shape = x.shape
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, None, "none", [], "")
-    return y.view(*shape[:-1], out_features)
+    rows = x.reshape(-1, shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(pad_rows(rows, granule), weight, None, "none", [], "")
+    return y[:rows.shape[0]].reshape(*shape[:-1], out_features)
+
+
+def _granular_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          granule: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@cpu_op("granular_linear(Tensor x, Tensor weight, Tensor? bias, int granule) -> Tensor",
+        _granular_linear_fake)
+def granular_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    granule: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``x``'s rows padded to a multiple of ``granule``
+    (gemm_row_granule: a row's sums never depend on the call's row count)."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    y = F.linear(pad_rows(rows, granule), weight, bias)[:rows.shape[0]]
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                granule: int) -> torch.Tensor:
+    """``F.linear`` where rows need no padding (``granule`` 1, or not a CPU tensor),
+    :func:`granular_linear` otherwise."""
+    if granule <= 1 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    return granular_linear(x, weight, bias, granule)
 
 
 def _rows_copy_fake(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers import cpu_kernels
+from llmserve.model.layers.gemm_row_granule import row_granule
 from llmserve.model.layers.linear import Linear, LinearMethod
 from llmserve.model.layers.native_dense import can_pack_native, native_mm, pack_native
 from llmserve.model.loading.gguf import RawGGUFTensor
@@ -118,7 +119,8 @@ class LMHead(nn.Module):
     A tied bf16 head on CPU multiplies with a packed copy of the table (the native bf16
     kernel's pairs, or oneDNN's layout; the lookup keeps the row-major table). A tied float32
     head packs the table into ``f32_mm``'s strips and the embedding then looks its rows up
-    there (``VocabEmbedding.keep_as_strips``): the table is held once.
+    there (``VocabEmbedding.keep_as_strips``): the table is held once. Without ``f32_mm``
+    (the ``none`` tier) a float32 table takes oneDNN's layout as a bf16 one does.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tied_to: Optional[VocabEmbedding],
@@ -132,6 +134,7 @@ class LMHead(nn.Module):
         self.vocab_size = vocab_size
         self.packed_id: Optional[int] = None
         self.native_head: Optional[torch.Tensor] = None
+        self.row_granule = 1   # a tied table left to F.linear: PyTorch's row granule
         # the linear method's choice for quantized products (--int4-activations) also
         # holds for a tied int8 table
         self.int8_activations = bool(getattr(method, "int8_activations", False))
@@ -139,14 +142,16 @@ class LMHead(nn.Module):
     def finish_loading(self, prepack: bool = True) -> None:
         if self.linear is None and self.tied.qweight is not None and self.int8_activations:
             self.tied.qweight = self.tied.qweight.with_int8_activations()
-        if self.linear is not None or self.tied.weight is None or not prepack:
+        if self.linear is not None or self.tied.weight is None:
             return
-        if can_pack_native(self.tied.weight.data):
+        if prepack and can_pack_native(self.tied.weight.data):
             self.native_head = pack_native(self.tied.weight.data)
             if self.native_head.dtype == torch.float32:   # one copy: lookups use the strips
                 self.tied.keep_as_strips(self.native_head)
-        elif cpu_kernels.can_prepack(self.tied.weight):
+        elif prepack and cpu_kernels.can_prepack(self.tied.weight):
             self.packed_id = cpu_kernels.prepack_linear(self.tied.weight.data)
+        elif self.tied.weight.device.type == "cpu":
+            self.row_granule = row_granule(str(self.tied.weight.dtype).removeprefix("torch."))
 
     @property
     def extra_bytes(self) -> int:
@@ -166,7 +171,7 @@ class LMHead(nn.Module):
             return cpu_kernels.packed_linear(x, self.packed_id, self.vocab_size).float()
         if self.tied.qweight is not None:
             return self.tied.qweight.logits(x)
-        return F.linear(x, self.tied.weight).float()
+        return cpu_kernels.linear_rows(x, self.tied.weight, None, self.row_granule).float()
 
     def __del__(self) -> None:
         pid = self.__dict__.get("packed_id")

@@ -21,10 +21,10 @@ from abc import ABC, abstractmethod
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers import cpu_kernels
+from llmserve.model.layers.gemm_row_granule import row_granule
 from llmserve.model.layers.native_dense import can_pack_native, native_mm, pack_native
 
 logger = logging.getLogger(__name__)
@@ -76,9 +76,11 @@ class DenseLinearMethod(LinearMethod):
     On CPU the weight is repacked after loading for llmserve's native products
     (``native_dense``) where they are available: bf16 for the bf16 kernel, float32 for the
     tier library's ``f32_mm`` (one summation order at every row count, which PyTorch's
-    float32 GEMM does not keep); else a bf16 weight goes into oneDNN's blocked layout
-    (``cpu_kernels``). Each multiplies at a higher share of the memory bandwidth than
-    ``F.linear`` on the plain layout, and the plain copy is then dropped.
+    float32 GEMM does not keep); else a bf16 or float32 weight goes into oneDNN's blocked
+    layout (``cpu_kernels``). Each multiplies at a higher share of the memory bandwidth than
+    ``F.linear`` on the plain layout, and the plain copy is then dropped. oneDNN's products,
+    and ``F.linear`` where a CPU weight is left to it, pad their rows to their GEMM's row
+    granule (``gemm_row_granule``), so a row sums the same way at every row count.
     """
 
     def __init__(self, prepack: bool = True) -> None:
@@ -94,6 +96,7 @@ class DenseLinearMethod(LinearMethod):
                                       requires_grad=False)
         layer.packed_id = None
         layer.native_weight = None
+        layer.row_granule = 1
 
     def load_weight(self, layer: "Linear", name: str, tensor: torch.Tensor,
                     shard: Optional[int]) -> None:
@@ -117,6 +120,8 @@ class DenseLinearMethod(LinearMethod):
         elif self.prepack and cpu_kernels.can_prepack(w):
             layer.packed_id = cpu_kernels.prepack_linear(w.data)
             layer.weight = None  # the packed copy replaces it (no duplicate weights in memory)
+        elif w.device.type == "cpu":   # PyTorch's GEMM: rows padded to its granule
+            layer.row_granule = row_granule(str(w.dtype).removeprefix("torch."))
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if layer.native_weight is not None:
@@ -124,7 +129,7 @@ class DenseLinearMethod(LinearMethod):
         elif layer.packed_id is not None:
             y = cpu_kernels.packed_linear(x, layer.packed_id, layer.output_size)
         else:
-            return F.linear(x, layer.weight, layer.bias)
+            return cpu_kernels.linear_rows(x, layer.weight, layer.bias, layer.row_granule)
         return y if layer.bias is None else y + layer.bias
 
     def weight_bytes(self, layer: "Linear") -> int:
