@@ -54,7 +54,7 @@ def test_delta_is_added_per_token_slot_over_any_base(method, products, monkeypat
     lora.set_shard(1, 1, a_k, b_k, 2.0)
     x = torch.randn(5, IN, generator=gen)
     slots = [0, 1, 2, 1, 0]                        # 0: base, 1: slot 0, 2: slot 1
-    state.set(slots, [1] * 5, torch.float32, torch.device("cpu"))
+    state.set(slots, [1] * 5, torch.device("cpu"))
     got = lora(x)
     want = base(x).clone()
     q, k, v = OUTS[0], OUTS[0] + OUTS[1], sum(OUTS)
@@ -66,18 +66,18 @@ def test_delta_is_added_per_token_slot_over_any_base(method, products, monkeypat
     assert [(slot, rows.tolist()) for slot, rows in state.groups] == [(0, [1, 3]), (1, [2])]
     # each token's row is the bits it has alone (one sequence of one token)
     for t, index in enumerate(slots):
-        state.set([index], [1], torch.float32, torch.device("cpu"))
+        state.set([index], [1], torch.device("cpu"))
         assert torch.equal(lora(x[t:t + 1])[0], got[t]), t
-    state.set([2, 2], [3, 2], torch.float32, torch.device("cpu"))   # slot 1 only
+    state.set([2, 2], [3, 2], torch.device("cpu"))   # slot 1 only
     assert [(slot, rows.tolist()) for slot, rows in state.groups] == [(1, [0, 1, 2, 3, 4])]
     want_k = base(x).clone()
     want_k[:, q:k] += 2.0 * (x @ a_k.T @ b_k.T)
     torch.testing.assert_close(lora(x), want_k, atol=1e-4, rtol=1e-4)
-    state.set([0, 0], [3, 2], torch.float32, torch.device("cpu"))   # base only
+    state.set([0, 0], [3, 2], torch.device("cpu"))   # base only
     assert not state.active
     torch.testing.assert_close(lora(x), base(x))
     lora.clear_slot(0)
-    state.set(slots, [1] * 5, torch.float32, torch.device("cpu"))
+    state.set(slots, [1] * 5, torch.device("cpu"))
     torch.testing.assert_close(lora(x)[1], base(x)[1])
 
 

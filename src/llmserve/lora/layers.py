@@ -46,8 +46,7 @@ class LoraStepState:
         #: (slot, the token rows under it) for each slot the step uses, slots ascending
         self.groups: list[tuple[int, torch.Tensor]] = []
 
-    def set(self, seq_index: list[int], query_lens: list[int], dtype: torch.dtype,
-            device: torch.device) -> None:
+    def set(self, seq_index: list[int], query_lens: list[int], device: torch.device) -> None:
         """Per sequence its adapter index (0: base, s + 1: slot s) and token count."""
         used = sorted({i for i in seq_index if i})
         self.active = bool(used)
@@ -88,6 +87,7 @@ class LoraLinear(nn.Module):
                        and native_f32_available())
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] = [
             self._pack(slot) for slot in range(num_slots)] if self.native else []
+        self.stale: set[int] = set()   # slots written since they were last packed
         self.granule = row_granule(str(dtype).removeprefix("torch.")) \
             if device.type == "cpu" and not self.native else 1
 
@@ -104,8 +104,7 @@ class LoraLinear(nn.Module):
     def clear_slot(self, slot: int) -> None:
         self.a[slot * self.width:(slot + 1) * self.width].zero_()
         self.bt[slot].zero_()
-        if self.native:
-            self.packed[slot] = self._pack(slot)
+        self.stale.add(slot)
 
     def set_shard(self, slot: int, shard: Optional[int], lora_a: torch.Tensor,
                   lora_b: torch.Tensor, scaling: float) -> None:
@@ -116,13 +115,16 @@ class LoraLinear(nn.Module):
         self.a[slot * self.width + j * self.max_rank:][:r].copy_(lora_a)
         self.bt[slot, col:col + width, j * self.max_rank:j * self.max_rank + r].copy_(
             lora_b * scaling)
-        if self.native:
-            self.packed[slot] = self._pack(slot)
+        self.stale.add(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not self.state.active:
             return y
+        if self.stale and self.native:   # pack each written slot once, after all its shards
+            for slot in self.stale:
+                self.packed[slot] = self._pack(slot)
+        self.stale.clear()
         for slot, rows in self.state.groups:
             whole = rows.shape[0] == x.shape[0]    # the slot has every row of the step
             xs = (x if whole else x.index_select(0, rows)).to(self.a.dtype)

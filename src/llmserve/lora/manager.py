@@ -1,8 +1,8 @@
-"""LoRA slots of one model: wrapping, host copies, the LRU of resident adapters, step masks.
+"""LoRA slots of one model: wrapping, host copies, the LRU of resident adapters, step rows.
 
     register(ref)    read + validate the PEFT tensors, keep them in host memory
     prepare(step)    every adapter of the step gets a slot (least recently used evicted,
-                     copied in from host memory), then one per-token mask for all layers
+                     copied in from host memory), then each slot's token rows for all layers
     unregister(ref)  forget the host copy and free its slot
 
 Only the projections a family's ``rename`` maps onto a :class:`Linear` are wrapped (the
@@ -139,14 +139,14 @@ class LoraManager:
 
     # ---- one step -------------------------------------------------------------------
     def prepare(self, loras: Sequence[Optional[LoraRef]], query_lens: Sequence[int]) -> None:
-        """Slots for this step's adapters and the per-token mask (rows in runner order:
+        """Slots for this step's adapters and each slot's token rows (in runner order:
         ``loras[i]`` and ``query_lens[i]`` of the i-th staged sequence)."""
         if all(ref is None for ref in loras):
             self.state.clear()
             return
         keep = {ref.content_hash for ref in loras if ref is not None}
         index = [0 if ref is None else 1 + self._slot_for(ref, keep) for ref in loras]
-        self.state.set(index, list(query_lens), self.dtype, self.device)
+        self.state.set(index, list(query_lens), self.device)
 
     @property
     def slot_bytes(self) -> int:

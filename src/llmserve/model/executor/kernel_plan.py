@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from llmserve.lora.layers import LoraLinear
 from llmserve.model.layers.activation import GATED_ACTIVATIONS, native_silu_mul
 from llmserve.model.layers.cpu_kernels import packed_kind, packed_row_granule
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
@@ -56,8 +57,12 @@ def _gemm_row_granules(model: nn.Module) -> dict[str, int]:
         if isinstance(module, Linear) and hasattr(module, "row_granule") and weight is not None \
                 and weight.device.type == "cpu":
             found[str(weight.dtype).removeprefix("torch.")] = module.row_granule
-        if isinstance(module, LMHead) and module.row_granule > 1:
+        if isinstance(module, LMHead) and module.linear is None and module.native_head is None \
+                and module.packed_id is None and module.tied.qweight is None \
+                and module.tied.weight is not None and module.tied.weight.device.type == "cpu":
             found[str(module.tied.weight.dtype).removeprefix("torch.")] = module.row_granule
+        if isinstance(module, LoraLinear) and not module.native and module.a.is_cpu:
+            found[f"lora-{str(module.a.dtype).removeprefix('torch.')}"] = module.granule
     return dict(sorted(found.items()))
 
 

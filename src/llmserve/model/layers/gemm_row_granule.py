@@ -14,9 +14,10 @@ So a sequence's logits followed its batch there. A call padded with zero rows to
 of a small granule never meets those cases: each row then sums as it does alone.
 
 The granule is not assumed. :func:`row_granule` finds it once per process and kind, by a
-self-test: the smallest of :data:`GRANULES` for which every row of calls of 1 to 2g + 1 rows
-and of 67 rows (each padded) equals the same row alone (padded), on a short and a long
-reduction. Where none passes, calls are not padded; this is logged, and the kernel plan
+self-test (per thread count): the smallest of :data:`GRANULES` for which every row of calls
+of 1 to 2g + 1 rows, and every seventh row of a call of 259 rows (each call padded), equals
+the same row alone (padded), on a short, a long and a LoRA-sized reduction. It samples shapes and row counts; it does not
+prove every call. Where none passes, calls are not padded; this is logged, and the kernel plan
 reports a granule of 1. ``LLMSERVE_FAST_ROUNDING=1`` turns the padding off, as it turns off
 the rest of the exactness work. The padded products are ops of :mod:`cpu_kernels`
 (``packed_linear``, ``granular_linear``), so eager and compiled steps pad alike.
@@ -35,56 +36,73 @@ logger = logging.getLogger(__name__)
 
 #: Row granules tried, smallest first (a 1-row decode costs a call of this many rows)
 GRANULES = (2, 4, 8, 16, 32)
-#: (K, N) of the self-test's weights: a short reduction and a long one (wide enough that
-#: oneDNN's bf16 one-row sums at K = 4864 differ in some output in every seed tried)
-_SELF_TEST_SHAPES = ((576, 384), (4864, 512))
-_SELF_TEST_ROWS = 67
-_granules: dict[str, int] = {}
+#: (K, N) of the self-test's weights: a short reduction, a long one (wide enough that
+#: oneDNN's bf16 one-row sums at K = 4864 differ in some output in every seed tried) and a
+#: LoRA-sized one (rank columns in, a projection's width out)
+_SELF_TEST_SHAPES = ((576, 384), (4864, 512), (48, 576))
+#: the largest call of the self-test (a prefill chunk's rows)
+_SELF_TEST_ROWS = 259
+_granules: dict[tuple[str, int], int] = {}   # (kind, torch threads) -> granule
 
-RowProduct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``rows -> rows @ w.T`` for one weight ``w``
+RowsProduct = Callable[[torch.Tensor], torch.Tensor]
+#: a weight -> its :data:`RowsProduct` (a packed product packs the weight once)
+WeightProduct = Callable[[torch.Tensor], RowsProduct]
 
 
 def pad_rows(x: torch.Tensor, granule: int) -> torch.Tensor:
-    """``x (M, K)`` with zero rows appended up to a multiple of ``granule``."""
-    return F.pad(x, (0, 0, 0, (-x.shape[0]) % granule))
+    """``x (M, K)`` with zero rows appended up to a multiple of ``granule`` (``x`` itself
+    where ``M`` is one already)."""
+    pad = (-x.shape[0]) % granule
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _onednn_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _onednn_product(w: torch.Tensor) -> RowsProduct:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def _products() -> dict[str, tuple[torch.dtype, RowProduct]]:
+def _linear_product(w: torch.Tensor) -> RowsProduct:
+    return lambda x: F.linear(x, w)
+
+
+def _products() -> dict[str, tuple[torch.dtype, WeightProduct]]:
     return {
-        "float32": (torch.float32, lambda x, w: F.linear(x, w)),
-        "bfloat16": (torch.bfloat16, lambda x, w: F.linear(x, w)),
-        "float16": (torch.float16, lambda x, w: F.linear(x, w)),
+        "float32": (torch.float32, _linear_product),
+        "bfloat16": (torch.bfloat16, _linear_product),
+        "float16": (torch.float16, _linear_product),
         "onednn-bf16": (torch.bfloat16, _onednn_product),
         "onednn-float32": (torch.float32, _onednn_product),
     }
 
 
-def rows_sum_alone(product: RowProduct, x: torch.Tensor, w: torch.Tensor,
-                   granule: int) -> bool:
-    """Every row of ``product`` over calls of 1 to ``2 * granule + 1`` rows and of all of
-    ``x``'s rows, each call padded to ``granule``, equals the same row computed alone."""
-    alone = torch.cat([product(pad_rows(x[i:i + 1], granule), w)[:1] for i in range(len(x))])
-    for m in [*range(1, 2 * granule + 2), len(x)]:
-        if not torch.equal(product(pad_rows(x[:m], granule), w)[:m], alone[:m]):
+def rows_sum_alone(product: RowsProduct, x: torch.Tensor, granule: int) -> bool:
+    """Every row of ``product`` over calls of 1 to ``2 * granule + 1`` rows, and every
+    seventh row and the last rows of a call of all ``x``'s rows, each call padded to
+    ``granule``, equals the same row computed alone."""
+    small = 2 * granule + 1
+    picked = sorted({*range(small), *range(small, len(x), 7), *range(len(x) - 3, len(x))})
+    alone = {i: product(pad_rows(x[i:i + 1], granule))[0] for i in picked}
+    for m in range(1, small + 1):
+        got = product(pad_rows(x[:m], granule))
+        if not all(torch.equal(got[i], alone[i]) for i in range(m)):
             return False
-    return True
+    got = product(pad_rows(x, granule))
+    return all(torch.equal(got[i], alone[i]) for i in picked)
 
 
-def find_granule(product: RowProduct, dtype: torch.dtype, name: str = "") -> int:
-    """The smallest of :data:`GRANULES` at which ``product`` (``(x, w) -> x @ w.T``) sums
-    every row of the self-test's calls as the row alone, in ``dtype``; 1 where none does or
-    the product raises (logged)."""
+def find_granule(product: WeightProduct, dtype: torch.dtype, name: str = "") -> int:
+    """The smallest of :data:`GRANULES` at which ``product`` (a weight ``w`` -> the product
+    ``rows -> rows @ w.T``) sums every row of the self-test's calls as the row alone, in
+    ``dtype``; 1 where none does or the product raises (logged)."""
     gen = torch.Generator().manual_seed(0)
-    cases = [(torch.randn(_SELF_TEST_ROWS, k, generator=gen).to(dtype),
-              torch.randn(n, k, generator=gen).to(dtype)) for k, n in _SELF_TEST_SHAPES]
     try:
+        cases = []
+        for k, n in _SELF_TEST_SHAPES:
+            x = torch.randn(_SELF_TEST_ROWS, k, generator=gen).to(dtype)
+            cases.append((product(torch.randn(n, k, generator=gen).to(dtype)), x))
         for granule in GRANULES:
-            if all(rows_sum_alone(product, x, w, granule) for x, w in cases):
+            if all(rows_sum_alone(rows_product, x, granule) for rows_product, x in cases):
                 return granule
     except Exception as exc:  # noqa: BLE001 - a product that fails here is not padded
         logger.warning("row-granule self-test of %s raised: %s", name or product, exc)
@@ -104,8 +122,9 @@ def row_granule(kind: str) -> int:
         raise ValueError(f"unknown GEMM kind {kind!r}; one of {sorted(_products())}")
     if env_flag("LLMSERVE_FAST_ROUNDING"):
         return 1
-    if kind not in _granules:
+    key = (kind, torch.get_num_threads())   # a GEMM may split its work otherwise
+    if key not in _granules:
         dtype, product = _products()[kind]
-        _granules[kind] = find_granule(product, dtype, kind)
-        logger.info("PyTorch %s GEMM: rows padded to a multiple of %d", kind, _granules[kind])
-    return _granules[kind]
+        _granules[key] = find_granule(product, dtype, kind)
+        logger.info("PyTorch %s GEMM: rows padded to a multiple of %d", kind, _granules[key])
+    return _granules[key]
