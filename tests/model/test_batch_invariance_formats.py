@@ -232,3 +232,45 @@ def test_lower_tiers_give_the_same_tokens_alone_in_a_batch_of_64_and_chunked(tmp
     assert got["accepted"] > 0    # the second pass verified drafts and kept some
     assert_same(got["plain"], got["first"], f"{what}: suffix speculation on")
     assert_same(got["plain"], got["drafted"], f"{what}: with suffix drafts")
+
+
+_WIDE_GROUP_NONE_TIER = """
+import sys, torch
+from tests.model.test_batch_invariance import GREEDY, run
+from tests.model.test_batch_invariance_formats import MANY_FILLERS, LONG_TARGETS
+from llmserve import LLM
+llm = LLM(sys.argv[1], quantization="auto", num_kv_blocks=1024, block_size=16, max_num_seqs=64,
+          enforce_eager=False, enable_prefix_caching=False, dtype="bfloat16")
+alone = [run(llm, [p], GREEDY) for p in LONG_TARGETS]
+batched = run(llm, LONG_TARGETS + MANY_FILLERS[:4], GREEDY)
+torch.save({"tier": llm.engine.runner.kernel_plan["cpu"]["tier"],
+            "alone": ([a[0][0] for a in alone], [a[1][0] for a in alone]),
+            "batched": (batched[0][:5], batched[1][:5])}, sys.argv[2])
+"""
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="none tier: SDPA sums a decode row by the padded key count "
+                   "(docs/ARCHITECTURE.md, invariants)")
+def test_none_tier_wide_head_groups_give_the_same_logits_alone_and_in_a_batch(tmp_path):
+    """16 query heads over 2 KV heads of 128 (Qwen2.5-3B's grouping) on the none tier, with
+    150-300-token contexts: decodes alone against a batch of 9. SDPA (``decode_group_attention``)
+    sums a row differently when the step's widest table pads its keys (0.06-0.08 apart here;
+    4 heads over 2 of 64 stayed exact on the same prompts, batched, chunked and cached,
+    checked by hand), so this fails until the none tier's decode attention sums over keys
+    in one fixed order."""
+    import os
+    import subprocess
+    import sys
+
+    hf = make_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden=2048, intermediate=256,
+                              num_heads=16, num_kv_heads=2, seed=31)
+    path = make_tiny_gguf(hf, str(tmp_path / "wide.gguf"), quant="Q4_0", with_tokenizer=True)
+    out = tmp_path / "result.pt"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", _WIDE_GROUP_NONE_TIER, path, str(out)],
+                   env=dict(os.environ, LLMSERVE_CPU_ISA="none"), check=True,
+                   capture_output=True, text=True, timeout=600, cwd=repo)
+    got = torch.load(out)
+    assert got["tier"] == "none"
+    assert_same(got["alone"], got["batched"], "none tier, 16 heads over 2 of 128: batch of 9")
