@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model.layers.gemm_row_granule import pad_rows, row_granule
+from llmserve.model.layers.gemm_row_granule import dtype_kind, pad_rows, row_granule
 from llmserve.model.layers.linear import Linear
 from llmserve.model.layers.native_dense import f32_mm, native_f32_available, pack_f32
 
@@ -88,7 +88,7 @@ class LoraLinear(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] = [
             self._pack(slot) for slot in range(num_slots)] if self.native else []
         self.stale: set[int] = set()   # slots written since they were last packed
-        self.granule = row_granule(str(dtype).removeprefix("torch.")) \
+        self.granule = row_granule(dtype_kind(dtype)) \
             if device.type == "cpu" and not self.native else 1
 
     def _pack(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from llmserve.lora.layers import LoraLinear
 from llmserve.model.layers.activation import GATED_ACTIVATIONS, native_silu_mul
 from llmserve.model.layers.cpu_kernels import packed_kind, packed_row_granule
 from llmserve.model.layers.embedding import LMHead, VocabEmbedding
+from llmserve.model.layers.gemm_row_granule import dtype_kind
 from llmserve.model.layers.linear import Linear
 from llmserve.model.layers.native_dense import native_product_name
 from llmserve.model.layers.norm import RMSNorm, rows_norm_name
@@ -53,16 +54,13 @@ def _gemm_row_granules(model: nn.Module) -> dict[str, int]:
         pid = getattr(module, "packed_id", None)
         if pid is not None:
             found[packed_kind(pid)] = packed_row_granule(pid)
-        weight = getattr(module, "weight", None)
-        if isinstance(module, Linear) and hasattr(module, "row_granule") and weight is not None \
-                and weight.device.type == "cpu":
-            found[str(weight.dtype).removeprefix("torch.")] = module.row_granule
-        if isinstance(module, LMHead) and module.linear is None and module.native_head is None \
-                and module.packed_id is None and module.tied.qweight is None \
-                and module.tied.weight is not None and module.tied.weight.device.type == "cpu":
-            found[str(module.tied.weight.dtype).removeprefix("torch.")] = module.row_granule
+        # row_granule > 0: the layer multiplies by F.linear on the CPU
+        if isinstance(module, Linear) and getattr(module, "row_granule", 0):
+            found[dtype_kind(module.weight.dtype)] = module.row_granule
+        if isinstance(module, LMHead) and module.row_granule:
+            found[dtype_kind(module.tied.weight.dtype)] = module.row_granule
         if isinstance(module, LoraLinear) and not module.native and module.a.is_cpu:
-            found[f"lora-{str(module.a.dtype).removeprefix('torch.')}"] = module.granule
+            found[f"lora-{dtype_kind(module.a.dtype)}"] = module.granule
     return dict(sorted(found.items()))
 
 

@@ -20,14 +20,19 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.layers.gemm_row_granule import pad_rows, row_granule
+from llmserve.model.layers.gemm_row_granule import (
+    onednn_linear,
+    onednn_pack,
+    pad_rows,
+    row_granule,
+)
 
 logger = logging.getLogger(__name__)
 
 _packed_bytes: dict[int, int] = {}
 _ids = itertools.count(1)
-_owners: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (packed tensor, its row granule)
-_kinds: dict[int, str] = {}   # id -> its row-granule kind (PACKED_KINDS)
+#: id -> (packed tensor, its row-granule kind (PACKED_KINDS), that kind's granule)
+_owners: dict[int, tuple[torch.Tensor, str, int]] = {}
 _probe_results: dict[torch.dtype, bool] = {}
 #: weight dtypes oneDNN's prepacked product takes, and their row-granule kinds
 PACKED_KINDS = {torch.bfloat16: "onednn-bf16", torch.float32: "onednn-float32"}
@@ -39,8 +44,7 @@ def _probe(dtype: torch.dtype = torch.bfloat16) -> bool:
         try:
             w = torch.randn(8, 16, dtype=dtype)
             x = torch.randn(2, 16, dtype=dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            y = onednn_linear(x, onednn_pack(w))
             _probe_results[dtype] = bool(torch.allclose(y.float(), (x.float() @ w.float().T),
                                                         atol=0.1, rtol=0.05))
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
@@ -58,28 +62,26 @@ def can_prepack(weight: torch.Tensor) -> bool:
 def prepack_linear(weight: torch.Tensor) -> int:
     """Pack ``weight (out, in)`` into oneDNN's layout; returns its id for ``packed_linear``.
     Its products pad their rows to the dtype's row granule (gemm_row_granule)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    kind = PACKED_KINDS[weight.dtype]
     pid = next(_ids)
-    _kinds[pid] = PACKED_KINDS[weight.dtype]
-    _owners[pid] = (packed, row_granule(_kinds[pid]))
+    _owners[pid] = (onednn_pack(weight.contiguous()), kind, row_granule(kind))
     _packed_bytes[pid] = weight.numel() * weight.element_size()
     return pid
 
 
 def packed_row_granule(pid: int) -> int:
     """The row granule the products of packed weight ``pid`` pad their calls to."""
-    return _owners[pid][1]
+    return _owners[pid][2]
 
 
 def packed_kind(pid: int) -> str:
     """``onednn-bf16`` or ``onednn-float32``: the prepacked product of weight ``pid``."""
-    return _kinds[pid]
+    return _owners[pid][1]
 
 
 def release(pid: int) -> None:
     """Forget a packed weight (its module is gone)."""
     _owners.pop(pid, None)
-    _kinds.pop(pid, None)
     _packed_bytes.pop(pid, None)
 
 
@@ -120,10 +122,10 @@ def packed_linear(x: torch.Tensor, pid: int, out_features: int) -> torch.Tensor:
     owned = _owners.get(pid)
     if owned is None:
         raise RuntimeError(f"packed weight {pid} was released")
-    weight, granule = owned
+    weight, _, granule = owned
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    y = torch.ops.mkldnn._linear_pointwise(pad_rows(rows, granule), weight, None, "none", [], "")
+    y = onednn_linear(pad_rows(rows, granule), weight)
     return y[:rows.shape[0]].reshape(*shape[:-1], out_features)
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.layers import cpu_kernels
-from llmserve.model.layers.gemm_row_granule import row_granule
+from llmserve.model.layers.gemm_row_granule import dtype_kind, row_granule
 from llmserve.model.layers.linear import Linear, LinearMethod
 from llmserve.model.layers.native_dense import can_pack_native, native_mm, pack_native
 from llmserve.model.loading.gguf import RawGGUFTensor
@@ -134,7 +134,7 @@ class LMHead(nn.Module):
         self.vocab_size = vocab_size
         self.packed_id: Optional[int] = None
         self.native_head: Optional[torch.Tensor] = None
-        self.row_granule = 1   # a tied table left to F.linear: PyTorch's row granule
+        self.row_granule = 0   # a tied table left to F.linear: PyTorch's row granule (0: not)
         # the linear method's choice for quantized products (--int4-activations) also
         # holds for a tied int8 table
         self.int8_activations = bool(getattr(method, "int8_activations", False))
@@ -151,7 +151,7 @@ class LMHead(nn.Module):
         elif prepack and cpu_kernels.can_prepack(self.tied.weight):
             self.packed_id = cpu_kernels.prepack_linear(self.tied.weight.data)
         elif self.tied.weight.device.type == "cpu":
-            self.row_granule = row_granule(str(self.tied.weight.dtype).removeprefix("torch."))
+            self.row_granule = row_granule(dtype_kind(self.tied.weight.dtype))
 
     @property
     def extra_bytes(self) -> int:

@@ -57,9 +57,24 @@ def pad_rows(x: torch.Tensor, granule: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """``float32``, ``bfloat16``, ...: the name of a dtype as the GEMM kinds spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    """``w (N, K)`` in oneDNN's blocked layout for :func:`onednn_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x (M, K) @ W^T`` by oneDNN for an :func:`onednn_pack` weight (rows as given)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def _onednn_product(w: torch.Tensor) -> RowsProduct:
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    packed = onednn_pack(w)
+    return lambda x: onednn_linear(x, packed)
 
 
 def _linear_product(w: torch.Tensor) -> RowsProduct:

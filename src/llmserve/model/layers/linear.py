@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from llmserve.model.layers import cpu_kernels
-from llmserve.model.layers.gemm_row_granule import row_granule
+from llmserve.model.layers.gemm_row_granule import dtype_kind, row_granule
 from llmserve.model.layers.native_dense import can_pack_native, native_mm, pack_native
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class DenseLinearMethod(LinearMethod):
                                       requires_grad=False)
         layer.packed_id = None
         layer.native_weight = None
-        layer.row_granule = 1
+        layer.row_granule = 0   # 0: not on PyTorch's GEMM (packed, native or off the CPU)
 
     def load_weight(self, layer: "Linear", name: str, tensor: torch.Tensor,
                     shard: Optional[int]) -> None:
@@ -121,7 +121,7 @@ class DenseLinearMethod(LinearMethod):
             layer.packed_id = cpu_kernels.prepack_linear(w.data)
             layer.weight = None  # the packed copy replaces it (no duplicate weights in memory)
         elif w.device.type == "cpu":   # PyTorch's GEMM: rows padded to its granule
-            layer.row_granule = row_granule(str(w.dtype).removeprefix("torch."))
+            layer.row_granule = row_granule(dtype_kind(w.dtype))
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if layer.native_weight is not None:
