@@ -249,16 +249,12 @@ torch.save({"tier": llm.engine.runner.kernel_plan["cpu"]["tier"],
 """
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="none tier: SDPA sums a decode row by the padded key count "
-                   "(docs/ARCHITECTURE.md, invariants)")
 def test_none_tier_wide_head_groups_give_the_same_logits_alone_and_in_a_batch(tmp_path):
     """16 query heads over 2 KV heads of 128 (Qwen2.5-3B's grouping) on the none tier, with
-    150-300-token contexts: decodes alone against a batch of 9. SDPA (``decode_group_attention``)
-    sums a row differently when the step's widest table pads its keys (0.06-0.08 apart here;
-    4 heads over 2 of 64 stayed exact on the same prompts, batched, chunked and cached,
-    checked by hand), so this fails until the none tier's decode attention sums over keys
-    in one fixed order."""
+    150-300-token contexts: decodes alone against a batch of 9. SDPA sums a row differently
+    when its padded key count changes, so each row attends over a key count of its own
+    (``reference.key_width``); padded to the step's widest table, logits were 0.06-0.08
+    apart here."""
     import os
     import subprocess
     import sys

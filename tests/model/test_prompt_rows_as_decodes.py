@@ -56,3 +56,43 @@ def test_each_prompt_row_attends_as_its_decode(heads, kv_heads, window, softcap,
                                            valid.view(1, -1), BS, D ** -0.5, softcap)
             assert torch.equal(got[row:row + 1], alone), (s, pos)
             row += 1
+
+
+def test_key_width_follows_the_row_alone():
+    assert [reference.key_width(w) for w in (1, 4, 7, 8, 9, 10, 15, 16, 17, 33, 65)] == \
+        [8, 8, 8, 8, 10, 10, 16, 16, 20, 40, 80]
+    for w in range(1, 300):
+        kw = reference.key_width(w)
+        assert w <= kw <= max(8, w + w // 4) and reference.key_width(kw) == kw
+
+
+def test_a_decode_row_attends_over_its_own_key_width_whatever_its_batch():
+    """Five decode rows of 16 heads over 2 of 128 (230-352 keys) in one step, their tables
+    as wide as the widest row: each row, bit for bit, the row decoded alone over its own
+    table. Padded to the widest table instead (``LLMSERVE_FAST_ROUNDING=1``), the first row
+    came out otherwise with torch 2.13 on an AVX-512 EPYC (SDPA sums a row by its padded key
+    count)."""
+    hkv, g, d = 2, 8, 128
+    cases = [(10, 1, 230), (25, 1, 275), (26, 6, 278), (29, 6, 287), (0, 1, 352)]
+    width = 22                                       # (seed, key scale, keys) per row
+    kc = torch.zeros(len(cases) * width * BS, hkv, d, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    qs = []
+    for r, (seed, key_scale, _) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed)
+        qs.append(torch.randn(hkv * g, d, generator=gen).bfloat16())
+        rows = slice(r * width * BS, (r + 1) * width * BS)
+        kc[rows] = (key_scale * torch.randn(hkv, width * BS, d, generator=gen)).bfloat16() \
+            .transpose(0, 1)
+        vc[rows] = torch.randn(hkv, width * BS, d, generator=gen).bfloat16().transpose(0, 1)
+    q = torch.stack(qs)
+    tables = torch.arange(len(cases) * width).view(len(cases), width)
+    ctx = [n for _, _, n in cases]
+    valid = torch.arange(width * BS).view(1, -1) < torch.tensor(ctx).view(-1, 1)
+    got = decode_group_attention(q, kc, vc, tables, valid, BS, d ** -0.5)
+    assert got.shape == (len(cases), hkv * g * d)
+    for i, c in enumerate(ctx):
+        own = -(-c // BS)
+        alone = decode_group_attention(q[i:i + 1], kc, vc, tables[i:i + 1, :own],
+                                       valid[i:i + 1, :own * BS], BS, d ** -0.5)
+        assert torch.equal(got[i], alone[0]), i

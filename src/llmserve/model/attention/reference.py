@@ -26,6 +26,7 @@ from llmserve.model.attention.backend import (
     gather_blocks,
     write_kv,
 )
+from llmserve.model.platform import env_flag
 
 
 def group_key(query_len: int, table_width: int) -> tuple[int, int]:
@@ -44,18 +45,77 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
 
 
+#: :func:`key_width` rounds a width up to a multiple of ``2 ** (bits - KEY_WIDTH_BITS)``
+KEY_WIDTH_BITS = 3
+#: the fewest blocks a row attends over: a prompt's first rows share one call
+MIN_KEY_WIDTH = 8
+
+
+def key_width(width: int) -> int:
+    """The block-table width a row whose keys end in block ``width`` attends over: at least
+    :data:`MIN_KEY_WIDTH`, else ``width`` rounded up to a multiple of ``2 ** (bits - 3)``
+    (at most ~1/4 more blocks; the extra keys are masked).
+
+    SDPA sums a row differently when its padded key count changes (16 query heads over 2 of
+    128 moved by up to 0.008 between a row's own width and its step's widest), so a row's
+    key count follows from the row alone, never from its batch."""
+    if width <= MIN_KEY_WIDTH:
+        return MIN_KEY_WIDTH
+    step = 1 << (width.bit_length() - KEY_WIDTH_BITS)
+    return -(-width // step) * step
+
+
+def _key_widths(valid: torch.Tensor, block_size: int) -> list[int]:
+    """:func:`key_width` of each row of a key mask ``valid (R, L)``: past its last valid key.
+    Under ``LLMSERVE_FAST_ROUNDING=1`` every row takes the mask's whole width (one SDPA call,
+    sums that follow the step's widest table)."""
+    if env_flag("LLMSERVE_FAST_ROUNDING"):
+        return [-(-valid.shape[1] // block_size)] * valid.shape[0]
+    last = valid.shape[1] - valid.flip(1).to(torch.int8).argmax(1)
+    return [key_width(-(-int(n) // block_size)) for n in last.tolist()]
+
+
+def _fit(t: torch.Tensor, width: int, fill: "int | bool") -> torch.Tensor:
+    """``t``'s last dim cut or padded with ``fill`` to ``width``."""
+    if t.shape[-1] == width:
+        return t
+    if t.shape[-1] > width:
+        return t[..., :width].contiguous()
+    return F.pad(t, (0, width - t.shape[-1]), value=fill)
+
+
 def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_ids: torch.Tensor, valid: torch.Tensor, block_size: int,
                            scale: float, softcap: Optional[float] = None) -> torch.Tensor:
-    """One query per sequence: the G query heads sharing a KV head act as G queries of it."""
+    """One query per sequence: the G query heads sharing a KV head act as G queries of it.
+    Each row attends over :func:`key_width` of its own keys' blocks (rows of one width share
+    an SDPA call), so its sums do not depend on the widest table in its step."""
     b, _ = block_ids.shape
     h, d = qg.shape[1], qg.shape[2]
-    keys = gather_blocks(k_cache, block_ids, block_size, qg.dtype)      # (B, Hkv, L, D)
-    values = gather_blocks(v_cache, block_ids, block_size, qg.dtype)
-    hkv = keys.shape[1]
-    o = attend(qg.view(b, hkv, h // hkv, d), keys, values, valid.view(b, 1, 1, -1), scale,
-               softcap)
-    return o.reshape(b, h * d)
+    widths = _key_widths(valid, block_size)
+    out = None
+    for width in sorted(set(widths)):
+        rows = [i for i, w in enumerate(widths) if w == width]
+        if len(rows) == b:
+            ids, ok, q = block_ids, valid, qg
+        else:
+            index = torch.tensor(rows, device=qg.device)
+            ids, ok, q = block_ids[index], valid[index], qg[index]
+        ids = _fit(ids, width, 0)
+        ok = _fit(ok, width * block_size, False)
+        keys = gather_blocks(k_cache, ids, block_size, qg.dtype)     # (R, Hkv, L, D)
+        values = gather_blocks(v_cache, ids, block_size, qg.dtype)
+        hkv = keys.shape[1]
+        o = attend(q.reshape(len(rows), hkv, h // hkv, d), keys, values,
+                   ok.view(len(rows), 1, 1, -1), scale, softcap).reshape(len(rows), h * d)
+        if len(rows) == b:
+            return o
+        if out is None:
+            out = qg.new_empty(b, h * d)
+        out[rows] = o
+    if out is None:
+        raise ValueError("decode attention needs at least one row")
+    return out
 
 
 #: Largest broadcast context a soft-capped prompt block copies (bytes of K, then of V):
@@ -72,10 +132,11 @@ def prompt_rows_as_decodes(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     :func:`decode_group_attention`'s SDPA (the G query heads of a KV head as its G queries,
     the keys up to the row's position valid), so a prompt row gets the sums its decode
     would, whatever the chunking (grouped SDPA over a chunk's own query count sums
-    otherwise: a 7-over-1 head group chunked by 16 moved logits by ~0.016). A sequence's
-    context is gathered once and broadcast to its rows (a view, not a copy; soft-capped
-    rows take copies, :data:`SOFTCAP_BLOCK_BYTES` at a time); one SDPA call a sequence of
-    the group. A group of one-token chunks is a decode group already."""
+    otherwise: a 7-over-1 head group chunked by 16 moved logits by ~0.016), each over the
+    :func:`key_width` of its position, as its decode. A sequence's context is gathered once
+    and broadcast to its rows (a view, not a copy; soft-capped rows take copies,
+    :data:`SOFTCAP_BLOCK_BYTES` at a time); one SDPA call per run of its rows of one key
+    width. A group of one-token chunks is a decode group already."""
     if g.is_decode:
         return decode_group_attention(qg, k_cache, v_cache, g.block_ids,
                                       g.mask_for(window).view(g.block_ids.shape[0], -1),
@@ -87,19 +148,32 @@ def prompt_rows_as_decodes(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     h, d = qg.shape[1], qg.shape[2]
     outs, start = [], 0
     for b, n in enumerate(counts):
-        keys = gather_blocks(k_cache, g.block_ids[b:b + 1], block_size, qg.dtype)
-        values = gather_blocks(v_cache, g.block_ids[b:b + 1], block_size, qg.dtype)
-        hkv = keys.shape[1]
-        step = n if softcap is None else max(
-            1, SOFTCAP_BLOCK_BYTES // (keys.numel() * keys.element_size()))
-        for r in range(0, n, step):
-            m = min(step, n - r)
-            k, v = keys.expand(m, -1, -1, -1), values.expand(m, -1, -1, -1)
-            if softcap is not None:
-                k, v = k.contiguous(), v.contiguous()
-            o = attend(qg[start + r:start + r + m].view(m, hkv, h // hkv, d), k, v,
-                       mask[b, 0, r:r + m].view(m, 1, 1, -1), scale, softcap)
-            outs.append(o.reshape(m, h * d))
+        widths = _key_widths(mask[b, 0, :n], block_size)
+        ids = _fit(g.block_ids[b:b + 1], max(widths), 0)
+        context = (gather_blocks(k_cache, ids, block_size, qg.dtype),
+                   gather_blocks(v_cache, ids, block_size, qg.dtype))
+        hkv = context[0].shape[1]
+        run = 0
+        while run < n:   # rows of one key width (positions rise: runs of rows)
+            width = widths[run]
+            end = run + 1
+            while end < n and widths[end] == width:
+                end += 1
+            # the first keys of the gathered context: broadcast to the run's rows, the
+            # strides of a context gathered at this width
+            keys, values = (t[:, :, :width * block_size] for t in context)
+            step = end - run if softcap is None else max(
+                1, SOFTCAP_BLOCK_BYTES // (keys.numel() * keys.element_size()))
+            for r in range(run, end, step):
+                m = min(step, end - r)
+                k, v = keys.expand(m, -1, -1, -1), values.expand(m, -1, -1, -1)
+                if softcap is not None:
+                    k, v = k.contiguous(), v.contiguous()
+                o = attend(qg[start + r:start + r + m].view(m, hkv, h // hkv, d), k, v,
+                           _fit(mask[b, 0, r:r + m], width * block_size, False)
+                           .view(m, 1, 1, -1), scale, softcap)
+                outs.append(o.reshape(m, h * d))
+            run = end
         start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
