@@ -55,6 +55,31 @@ def test_paged_backend_matches_reference(tiny_path, budget):
         torch.testing.assert_close(logits[rid], ref_logits[rid], atol=2e-4, rtol=1e-4)
 
 
+def test_reference_backend_compiled_decode_traces_and_gives_the_eager_tokens(tmp_path):
+    """The reference backend's compiled decode step attends through the CPU op (each row's
+    key width is read from its mask, which a trace cannot branch on): the trace must not
+    fail (a failed one falls back to eager steps, logged only), and the tokens and logits
+    equal the eager run's."""
+    path = make_tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_heads=4, num_kv_heads=2,
+                                seed=11)
+    got = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="float32", num_kv_blocks=128, attention_backend="reference",
+                  enforce_eager=eager, max_num_seqs=8)
+        runner = llm.engine.runner
+        runner.capture = LogitsCapture.SAMPLED
+        steps = []
+        inner = runner.execute
+        runner.execute = lambda step, inner=inner, steps=steps: steps.append(inner(step)) or steps[-1]
+        outs = llm.generate(PROMPTS, GREEDY)
+        if not eager:
+            assert runner.compiled is not None and not runner.compiled.failed
+        got[eager] = ([o.outputs[0].token_ids for o in outs],
+                      torch.cat([s.logits for s in steps if s.logits is not None]))
+    assert got[False][0] == got[True][0]
+    assert torch.equal(got[False][1], got[True][1])
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
 def test_inplace_decode_equals_gather_sdpa(heads, kv_heads):
     torch.manual_seed(0)

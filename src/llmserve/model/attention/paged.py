@@ -41,8 +41,8 @@ from llmserve.model.attention.reference import (
     ReferenceBackend,
     decode_group_attention,
     prompt_rows_as_decodes,
+    torch_decode_attention,
 )
-from llmserve.model.layers.cpu_kernels import cpu_op
 from llmserve.model.native.ops import tier_ops
 from llmserve.model.quant.kv import load_kv
 
@@ -89,27 +89,6 @@ def paged_verify_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     values = load_kv(v_cache[slots], torch.float32).view(b, 1, length, hkv, 1, d)
     out = (probs.unsqueeze(-1) * values).sum(2)                 # (B, Q, Hkv, G, D)
     return out.reshape(b * nq, h * d).to(q.dtype)
-
-
-def _torch_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, valid: torch.Tensor,
-                                 block_size: int, scale: float, softcap: float) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-@cpu_op("torch_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor valid, int block_size, float scale, float softcap) -> Tensor",
-        _torch_decode_attention_fake)
-def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, valid: torch.Tensor, block_size: int,
-                           scale: float, softcap: float) -> torch.Tensor:
-    """Decode rows without the native kernel (the none tier, a quantized KV cache): the
-    gathered blocks and SDPA of :func:`decode_group_attention`, behind one op, so a compiled
-    decode step attends exactly as an eager mixed step does (inductor's own loops summed in
-    another order, and a sequence's logits then depended on whether a prefill shared its
-    step). ``softcap`` 0 means none."""
-    return decode_group_attention(q, k_cache, v_cache, block_tables, valid, block_size, scale,
-                                  softcap or None)
 
 
 #: Largest (query rows x keys) table a prefill group builds for the native kernel (9 bytes

@@ -26,6 +26,7 @@ from llmserve.model.attention.backend import (
     gather_blocks,
     write_kv,
 )
+from llmserve.model.layers.cpu_kernels import cpu_op
 from llmserve.model.platform import env_flag
 
 
@@ -92,6 +93,12 @@ def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     an SDPA call), so its sums do not depend on the widest table in its step."""
     b, _ = block_ids.shape
     h, d = qg.shape[1], qg.shape[2]
+    if torch.compiler.is_compiling():   # a traced step off the CPU (the CPU's calls the op)
+        keys = gather_blocks(k_cache, block_ids, block_size, qg.dtype)
+        values = gather_blocks(v_cache, block_ids, block_size, qg.dtype)
+        hkv = keys.shape[1]
+        return attend(qg.view(b, hkv, h // hkv, d), keys, values, valid.view(b, 1, 1, -1),
+                      scale, softcap).reshape(b, h * d)
     widths = _key_widths(valid, block_size)
     out = None
     for width in sorted(set(widths)):
@@ -116,6 +123,28 @@ def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if out is None:
         raise ValueError("decode attention needs at least one row")
     return out
+
+
+def _torch_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, valid: torch.Tensor,
+                                 block_size: int, scale: float, softcap: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@cpu_op("torch_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor valid, int block_size, float scale, float softcap) -> Tensor",
+        _torch_decode_attention_fake)
+def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, valid: torch.Tensor, block_size: int,
+                           scale: float, softcap: float) -> torch.Tensor:
+    """Decode rows without the native kernel (the none tier, a quantized KV cache, the
+    reference backend on the CPU): the gathered blocks and SDPA of
+    :func:`decode_group_attention`, behind one op, so a compiled decode step attends exactly
+    as an eager mixed step does (inductor's own loops summed in another order, and a
+    sequence's logits then depended on whether a prefill shared its step; each row's key
+    width is read from its mask, which a trace cannot branch on). ``softcap`` 0 means none."""
+    return decode_group_attention(q, k_cache, v_cache, block_tables, valid, block_size, scale,
+                                  softcap or None)
 
 
 #: Largest broadcast context a soft-capped prompt block copies (bytes of K, then of V):
@@ -236,6 +265,10 @@ class ReferenceBackend(AttentionBackend):
                 softcap: Optional[float] = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.groups:   # decode-only metadata (compiled step)
+            if q.device.type == "cpu":   # behind the op: each row at its own key width
+                return torch_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_valid_for(window), meta.block_size,
+                                              scale, softcap or 0.0)
             return decode_group_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                           meta.decode_valid_for(window), meta.block_size, scale,
                                           softcap)
