@@ -68,9 +68,10 @@ def key_width(width: int) -> int:
 
 def _key_widths(valid: torch.Tensor, block_size: int) -> list[int]:
     """:func:`key_width` of each row of a key mask ``valid (R, L)``: past its last valid key.
-    Under ``LLMSERVE_FAST_ROUNDING=1`` every row takes the mask's whole width (one SDPA call,
-    sums that follow the step's widest table)."""
-    if env_flag("LLMSERVE_FAST_ROUNDING"):
+    Under ``LLMSERVE_FAST_ROUNDING=1``, and off the CPU (whose GPU kernels split their sums
+    by the batch anyway; no host read a layer), every row takes the mask's whole width: one
+    SDPA call, sums that follow the step's widest table."""
+    if env_flag("LLMSERVE_FAST_ROUNDING") or valid.device.type != "cpu":
         return [-(-valid.shape[1] // block_size)] * valid.shape[0]
     last = valid.shape[1] - valid.flip(1).to(torch.int8).argmax(1)
     return [key_width(-(-int(n) // block_size)) for n in last.tolist()]
