@@ -86,43 +86,42 @@ def _fit(t: torch.Tensor, width: int, fill: "int | bool") -> torch.Tensor:
     return F.pad(t, (0, width - t.shape[-1]), value=fill)
 
 
+def _attend_decode_rows(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_ids: torch.Tensor, valid: torch.Tensor, block_size: int,
+                        scale: float, softcap: Optional[float]) -> torch.Tensor:
+    """One SDPA call: rows ``qg (R, H, D)`` over their gathered tables, padded alike."""
+    r, h, d = qg.shape
+    keys = gather_blocks(k_cache, block_ids, block_size, qg.dtype)      # (R, Hkv, L, D)
+    values = gather_blocks(v_cache, block_ids, block_size, qg.dtype)
+    hkv = keys.shape[1]
+    return attend(qg.reshape(r, hkv, h // hkv, d), keys, values, valid.view(r, 1, 1, -1),
+                  scale, softcap).reshape(r, h * d)
+
+
 def decode_group_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_ids: torch.Tensor, valid: torch.Tensor, block_size: int,
                            scale: float, softcap: Optional[float] = None) -> torch.Tensor:
     """One query per sequence: the G query heads sharing a KV head act as G queries of it.
     Each row attends over :func:`key_width` of its own keys' blocks (rows of one width share
     an SDPA call), so its sums do not depend on the widest table in its step."""
-    b, _ = block_ids.shape
-    h, d = qg.shape[1], qg.shape[2]
     if torch.compiler.is_compiling():   # a traced step off the CPU (the CPU's calls the op)
-        keys = gather_blocks(k_cache, block_ids, block_size, qg.dtype)
-        values = gather_blocks(v_cache, block_ids, block_size, qg.dtype)
-        hkv = keys.shape[1]
-        return attend(qg.view(b, hkv, h // hkv, d), keys, values, valid.view(b, 1, 1, -1),
-                      scale, softcap).reshape(b, h * d)
+        return _attend_decode_rows(qg, k_cache, v_cache, block_ids, valid, block_size, scale,
+                                   softcap)
     widths = _key_widths(valid, block_size)
-    out = None
+
+    def rows_of_width(ids: torch.Tensor, ok: torch.Tensor, q: torch.Tensor,
+                      width: int) -> torch.Tensor:
+        return _attend_decode_rows(q, k_cache, v_cache, _fit(ids, width, 0),
+                                   _fit(ok, width * block_size, False), block_size, scale,
+                                   softcap)
+
+    if len(set(widths)) == 1:
+        return rows_of_width(block_ids, valid, qg, widths[0])
+    out = qg.new_empty(qg.shape[0], qg.shape[1] * qg.shape[2])
     for width in sorted(set(widths)):
-        rows = [i for i, w in enumerate(widths) if w == width]
-        if len(rows) == b:
-            ids, ok, q = block_ids, valid, qg
-        else:
-            index = torch.tensor(rows, device=qg.device)
-            ids, ok, q = block_ids[index], valid[index], qg[index]
-        ids = _fit(ids, width, 0)
-        ok = _fit(ok, width * block_size, False)
-        keys = gather_blocks(k_cache, ids, block_size, qg.dtype)     # (R, Hkv, L, D)
-        values = gather_blocks(v_cache, ids, block_size, qg.dtype)
-        hkv = keys.shape[1]
-        o = attend(q.reshape(len(rows), hkv, h // hkv, d), keys, values,
-                   ok.view(len(rows), 1, 1, -1), scale, softcap).reshape(len(rows), h * d)
-        if len(rows) == b:
-            return o
-        if out is None:
-            out = qg.new_empty(b, h * d)
-        out[rows] = o
-    if out is None:
-        raise ValueError("decode attention needs at least one row")
+        index = torch.tensor([i for i, w in enumerate(widths) if w == width],
+                             device=qg.device)
+        out[index] = rows_of_width(block_ids[index], valid[index], qg[index], width)
     return out
 
 
