@@ -19,19 +19,28 @@ inline __mmask64 load_mask(const uint8_t* p) {
 }
 
 // The int32 dots of ROWS rows with units [U0, U1) of one block of NS strips (a unit: 4 k's
-// of 8-bit codes, 8 k's of 4-6-bit ones). One strip of up to 3 rows runs two chains a row to
-// hide vpdpbusd's latency; otherwise the (strip, row) pairs are the chains, and each
-// broadcast of a row's codes feeds every strip. The int32 sums are exact: the chains and the
-// strips sharing a tile never change a result. The k16 mode calls this once per block half.
+// of 8-bit codes, 8 k's of 4-6-bit ones), row r's sums starting from `scale * start[r *
+// stride]` in every lane (a row's integer offset term) or, with no `start`, from zero. One
+// strip of up to 3 rows runs two chains a row to hide vpdpbusd's latency; otherwise the
+// (strip, row) pairs are the chains, and each broadcast of a row's codes feeds every strip.
+// The int32 sums are exact: the chains, the start and the strips sharing a tile never change
+// a result. The k16 mode calls this once per block half.
 template <int BITS, int U0, int U1, int ROWS, int NS>
 __attribute__((target("avx512vnni"))) inline void block_dots(const uint8_t* const (&wb)[NS],
                                                              const int8_t* xq, int64_t ldx,
                                                              int64_t k0,
-                                                             __m512i (&acc)[NS][ROWS]) {
+                                                             __m512i (&acc)[NS][ROWS],
+                                                             const int32_t* start = nullptr,
+                                                             int64_t stride = 0,
+                                                             int32_t scale = 0) {
   constexpr bool kTwoChains = NS == 1 && ROWS <= 3;
   __m512i acc2[NS][ROWS];
   for (int s = 0; s < NS; ++s)
-    for (int r = 0; r < ROWS; ++r) acc[s][r] = acc2[s][r] = _mm512_setzero_si512();
+    for (int r = 0; r < ROWS; ++r) {
+      acc[s][r] = start == nullptr ? _mm512_setzero_si512()
+                                   : _mm512_set1_epi32(scale * start[r * stride]);
+      acc2[s][r] = _mm512_setzero_si512();
+    }
   if constexpr (BITS == 8) {
 #pragma GCC unroll 8
     for (int o = U0; o < U1; ++o) {
