@@ -18,6 +18,46 @@ inline __mmask64 load_mask(const uint8_t* p) {
   return static_cast<__mmask64>(m);
 }
 
+// The codes of unit o (8 k's) of one strip's block of BITS-bit codes (4-6), as bytes: `lo`
+// holds k's 8o..8o+3 of each channel, `hi` k's 8o+4..8o+7 (the 8-bit layout's quads 2o, 2o+1).
+template <int BITS>
+__attribute__((target("avx512vnni"))) inline void unpack_unit(const uint8_t* wb, int o,
+                                                              __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(wb + 64 * o);
+  const uint8_t* planes = wb + 256;
+  lo = _mm512_and_si512(v, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (BITS >= 5) {
+    lo = _mm512_mask_add_epi8(lo, load_mask(planes + 16 * o), lo, _mm512_set1_epi8(16));
+    hi = _mm512_mask_add_epi8(hi, load_mask(planes + 16 * o + 8), hi, _mm512_set1_epi8(16));
+  }
+  if constexpr (BITS == 6) {
+    lo = _mm512_mask_add_epi8(lo, load_mask(planes + 64 + 16 * o), lo, _mm512_set1_epi8(32));
+    hi = _mm512_mask_add_epi8(hi, load_mask(planes + 64 + 16 * o + 8), hi,
+                              _mm512_set1_epi8(32));
+  }
+}
+
+// `blocks` blocks of one strip's BITS-bit codes (4-6) rewritten as bytes in the 8-bit
+// layout (512 bytes a block), for products whose row tiles would otherwise unpack every
+// block once per tile.
+template <int BITS>
+__attribute__((target("avx512vnni"))) inline void expand_blocks(const uint8_t* w,
+                                                                int64_t blocks, uint8_t* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * 64 * BITS;
+    uint8_t* ob = out + b * 512;
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      __m512i lo, hi;
+      unpack_unit<BITS>(wb, o, lo, hi);
+      _mm512_storeu_si512(ob + 128 * o, lo);
+      _mm512_storeu_si512(ob + 128 * o + 64, hi);
+    }
+  }
+}
+
 // The int32 dots of ROWS rows with units [U0, U1) of one block of NS strips (a unit: 4 k's
 // of 8-bit codes, 8 k's of 4-6-bit ones), row r's sums starting from `scale * start[r *
 // stride]` in every lane (a row's integer offset term) or, with no `start`, from zero. One
@@ -55,28 +95,10 @@ __attribute__((target("avx512vnni"))) inline void block_dots(const uint8_t* cons
       }
     }
   } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int o = U0; o < U1; ++o) {
       __m512i lo[NS], hi[NS];
-      for (int s = 0; s < NS; ++s) {
-        const __m512i v = _mm512_loadu_si512(wb[s] + 64 * o);
-        const uint8_t* planes = wb[s] + 256;
-        lo[s] = _mm512_and_si512(v, low4);
-        hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (BITS >= 5) {
-          lo[s] = _mm512_mask_add_epi8(lo[s], load_mask(planes + 16 * o), lo[s],
-                                       _mm512_set1_epi8(16));
-          hi[s] = _mm512_mask_add_epi8(hi[s], load_mask(planes + 16 * o + 8), hi[s],
-                                       _mm512_set1_epi8(16));
-        }
-        if constexpr (BITS == 6) {
-          lo[s] = _mm512_mask_add_epi8(lo[s], load_mask(planes + 64 + 16 * o), lo[s],
-                                       _mm512_set1_epi8(32));
-          hi[s] = _mm512_mask_add_epi8(hi[s], load_mask(planes + 64 + 16 * o + 8), hi[s],
-                                       _mm512_set1_epi8(32));
-        }
-      }
+      for (int s = 0; s < NS; ++s) unpack_unit<BITS>(wb[s], o, lo[s], hi[s]);
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* xr = xq + r * ldx + k0 + 8 * o;
         const __m512i x_lo = broadcast4(xr), x_hi = broadcast4(xr + 4);

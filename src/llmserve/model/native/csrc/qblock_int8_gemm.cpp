@@ -33,7 +33,9 @@
 //         (the file's own fp16 values: bits per weight Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625)
 // One row: strips split over threads, tiles of one strip. More rows: pairs of strips split
 // over threads, tiles of up to 6 rows x 2 strips sharing each broadcast of activation
-// codes. Each tile's blocks prefetch the next strip (or pair) (next_strip_prefetch.h).
+// codes. From kPanelRows (Q6_K: kPanelRowsK16) 4-6-bit codes are first expanded to bytes,
+// a strip pair at a time, so the tiles do not unpack them again. Each tile's blocks
+// prefetch the next strip (or pair) (next_strip_prefetch.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -90,13 +92,16 @@ struct Rows {
 };
 
 // ROWS activation rows x NS adjacent strips (st[0..NS)); per strip, row and block the
-// scale arithmetic and its order are the same for every NS and ROWS.
-template <int BITS, int MODE, int ROWS, int NS>
+// scale arithmetic and its order are the same for every NS and ROWS. With PANEL, the strips'
+// codes are bytes already (a panel expand_blocks filled: the 8-bit layout); their integer dots are
+// the same numbers, so a panel changes no result.
+template <int BITS, int MODE, int ROWS, int NS, bool PANEL = false>
 __attribute__((target("avx512vnni"))) void strip_rows(const Strip* st, Rows x, int64_t blocks,
                                                       void* y, int64_t ldy, bool float_out,
                                                       const uint8_t* next, int64_t next_bytes,
                                                       int64_t t, int64_t pf_lines) {
-  constexpr int64_t kBlockBytes = 64 * BITS;
+  constexpr int kLayoutBits = PANEL ? 8 : BITS;
+  constexpr int64_t kBlockBytes = 64 * kLayoutBits;
   __m512 out[NS][ROWS];
   for (int s = 0; s < NS; ++s)
     for (int r = 0; r < ROWS; ++r) out[s][r] = _mm512_setzero_ps();
@@ -113,12 +118,13 @@ __attribute__((target("avx512vnni"))) void strip_rows(const Strip* st, Rows x, i
         }
       }
     }
-    constexpr int kUnits = BITS == 8 ? 8 : 4;
+    constexpr int kUnits = kLayoutBits == 8 ? 8 : 4;
     const uint8_t* wb[NS];
     for (int s = 0; s < NS; ++s) wb[s] = st[s].w + b * kBlockBytes;
     const int64_t k0 = b * kQuantBlock;
     __m512i acc[NS][ROWS];
-    if constexpr (MODE != kK16) block_dots<BITS, 0, kUnits, ROWS, NS>(wb, x.xq, x.ldx, k0, acc);
+    if constexpr (MODE != kK16)
+      block_dots<kLayoutBits, 0, kUnits, ROWS, NS>(wb, x.xq, x.ldx, k0, acc);
     if constexpr (MODE == kF16S) {
       // (the offset subtracted here: starting the sums at it, as k16 does, measured 1.03-1.1x
       // slower in the strip-pair tiles)
@@ -160,7 +166,9 @@ __attribute__((target("avx512vnni"))) void strip_rows(const Strip* st, Rows x, i
       }
     } else {   // k16: each half of the block with its own scale, in order; a half's sums
                // start from -32 sum_h(c), so they come out as dot_h - 32 sum_h(c)
-      block_dots<BITS, 0, 2, ROWS, NS>(wb, x.xq, x.ldx, k0, acc, x.xh + 2 * b, 2 * blocks, -32);
+      constexpr int kHalf = kUnits / 2;
+      block_dots<kLayoutBits, 0, kHalf, ROWS, NS>(wb, x.xq, x.ldx, k0, acc, x.xh + 2 * b,
+                                                 2 * blocks, -32);
       for (int s = 0; s < NS; ++s) {
         const int8_t* sm = static_cast<const int8_t*>(st[s].sub) + b * 2 * kStrip;
         const __m512 scale0 = _mm512_mul_ps(sup0[s], i8x16_ps(sm));
@@ -170,8 +178,8 @@ __attribute__((target("avx512vnni"))) void strip_rows(const Strip* st, Rows x, i
                                       _mm512_mul_ps(scale0, _mm512_set1_ps(x.xs[rb])), out[s][r]);
         }
       }
-      block_dots<BITS, 2, 4, ROWS, NS>(wb, x.xq, x.ldx, k0, acc, x.xh + 2 * b + 1, 2 * blocks,
-                                       -32);
+      block_dots<kLayoutBits, kHalf, kUnits, ROWS, NS>(wb, x.xq, x.ldx, k0, acc,
+                                                      x.xh + 2 * b + 1, 2 * blocks, -32);
       for (int s = 0; s < NS; ++s) {
         const int8_t* sm = static_cast<const int8_t*>(st[s].sub) + b * 2 * kStrip;
         const __m512 scale1 = _mm512_mul_ps(sup0[s], i8x16_ps(sm + kStrip));
@@ -199,39 +207,51 @@ using StripFn = void (*)(const Strip*, Rows, int64_t, void*, int64_t, bool, cons
 
 constexpr int kPairRows = 6;   // activation rows per tile of a strip pair
 
-template <int BITS, int MODE>
+template <int BITS, int MODE, bool PANEL = false>
 constexpr StripFn kRowFns[kMaxRows + 1] = {
     nullptr,
-    strip_rows<BITS, MODE, 1, 1>, strip_rows<BITS, MODE, 2, 1>, strip_rows<BITS, MODE, 3, 1>,
-    strip_rows<BITS, MODE, 4, 1>, strip_rows<BITS, MODE, 5, 1>, strip_rows<BITS, MODE, 6, 1>,
-    strip_rows<BITS, MODE, 7, 1>, strip_rows<BITS, MODE, 8, 1>,
+    strip_rows<BITS, MODE, 1, 1, PANEL>, strip_rows<BITS, MODE, 2, 1, PANEL>,
+    strip_rows<BITS, MODE, 3, 1, PANEL>, strip_rows<BITS, MODE, 4, 1, PANEL>,
+    strip_rows<BITS, MODE, 5, 1, PANEL>, strip_rows<BITS, MODE, 6, 1, PANEL>,
+    strip_rows<BITS, MODE, 7, 1, PANEL>, strip_rows<BITS, MODE, 8, 1, PANEL>,
 };
 
-template <int BITS, int MODE>
+template <int BITS, int MODE, bool PANEL = false>
 constexpr StripFn kPairFns[kPairRows + 1] = {
     nullptr,
-    strip_rows<BITS, MODE, 1, 2>, strip_rows<BITS, MODE, 2, 2>, strip_rows<BITS, MODE, 3, 2>,
-    strip_rows<BITS, MODE, 4, 2>, strip_rows<BITS, MODE, 5, 2>, strip_rows<BITS, MODE, 6, 2>,
+    strip_rows<BITS, MODE, 1, 2, PANEL>, strip_rows<BITS, MODE, 2, 2, PANEL>,
+    strip_rows<BITS, MODE, 3, 2, PANEL>, strip_rows<BITS, MODE, 4, 2, PANEL>,
+    strip_rows<BITS, MODE, 5, 2, PANEL>, strip_rows<BITS, MODE, 6, 2, PANEL>,
 };
 
-// The row functions of a (bits, mode) the loader packs, one strip and strip pairs (none for
-// Q6_K's k16 mode: with its two half-block epilogues, pairs measured 1.05x slower); nulls for
-// any other pair.
+using ExpandFn = void (*)(const uint8_t*, int64_t, uint8_t*);
+
+// The row functions of a (bits, mode) the loader packs: one strip and strip pairs over the
+// packed codes (none for Q6_K's k16 mode: with its two half-block epilogues, pairs measured
+// 1.05x slower), and for 4-6-bit codes strip pairs over a panel of bytes plus the expansion
+// that fills it; nulls for any other pair.
 struct KernelFns {
   const StripFn* one;
   const StripFn* pair;
+  const StripFn* panel_pair;
+  const StripFn* panel_one;
+  ExpandFn expand;
 };
 
 template <int BITS, int MODE>
-constexpr const StripFn* pair_fns() {   // k16's pair kernels are never instantiated
-  if constexpr (MODE == kK16)
-    return nullptr;
+constexpr KernelFns kernel_fns() {   // k16's pair kernels over packed codes never instantiated
+  if constexpr (BITS == 8)
+    return {kRowFns<BITS, MODE>, kPairFns<BITS, MODE>, nullptr, nullptr, nullptr};
+  else if constexpr (MODE == kK16)
+    return {kRowFns<BITS, MODE>, nullptr, kPairFns<BITS, MODE, true>,
+            kRowFns<BITS, MODE, true>, llmserve_native::expand_blocks<BITS>};
   else
-    return kPairFns<BITS, MODE>;
+    return {kRowFns<BITS, MODE>, kPairFns<BITS, MODE>, kPairFns<BITS, MODE, true>,
+            kRowFns<BITS, MODE, true>, llmserve_native::expand_blocks<BITS>};
 }
 
 template <int BITS, int MODE>
-constexpr KernelFns kFns{kRowFns<BITS, MODE>, pair_fns<BITS, MODE>()};
+constexpr KernelFns kFns = kernel_fns<BITS, MODE>();
 
 KernelFns row_fns(int64_t bits, int64_t mode) {
   if (bits == 8 && mode == kF16S) return kFns<8, kF16S>;
@@ -240,8 +260,17 @@ KernelFns row_fns(int64_t bits, int64_t mode) {
   if (bits == 4 && mode == kK32) return kFns<4, kK32>;
   if (bits == 5 && mode == kK32) return kFns<5, kK32>;
   if (bits == 6 && mode == kK16) return kFns<6, kK16>;
-  return KernelFns{nullptr, nullptr};
+  return KernelFns{nullptr, nullptr, nullptr, nullptr, nullptr};
 }
+
+// Rows from which a product first expands each strip pair's codes to bytes (a thread's panel)
+// and runs its row tiles over the bytes: once a strip is read by more than one row tile, its
+// unpacking (Q6_K: a nibble split and two bit planes) costs more than writing and reading the
+// panel. Hot, 1024 x 2048, panel against packed codes: Q6_K 1.09x at 9 rows, 1.19x at 130;
+// Q5_K 0.95x at 9, 1.0x at 16, 1.05x at 24, 1.12x at 130; Q5_0 1.24x and Q5_1 1.13x at 130.
+// Integer dots are the same numbers either way, so the choice changes no result.
+constexpr int64_t kPanelRowsK16 = kMaxRows + 1;
+constexpr int64_t kPanelRows = 24;
 
 void check_scales(const at::Tensor& t, at::ScalarType type, int64_t strips, int64_t n1,
                   int64_t n2, const char* what) {
@@ -302,38 +331,62 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
     return Rows{xq + r0 * k, k, xs + r0 * blocks, xt + r0 * blocks, xsum + r0 * blocks,
                 xh + r0 * blocks * 2};
   };
-  // tiles of up to `per` rows of `ns` strips from strip s, the `next` strips after them
-  // (0: none) prefetched while they compute
-  auto run_tiles = [&](int64_t s, int64_t ns, int64_t per, const StripFn* table,
-                       int64_t next) {
-    const Strip st[2] = {strip_at(s), ns == 2 ? strip_at(s + 1) : strip_at(s)};
-    const int64_t tiles = (rows + per - 1) / per, next_bytes = next * strip_bytes;
+  // tiles of up to `per` rows of strips `st` from strip s, `next_bytes` from `next` (the
+  // strips after them; 0: none) prefetched while they compute
+  auto run_tiles = [&](const Strip (&st)[2], int64_t s, int64_t per, const StripFn* table,
+                       const uint8_t* next, int64_t next_bytes) {
+    const int64_t tiles = (rows + per - 1) / per;
     const int64_t pf_lines =
-        next > 0 ? llmserve_native::next_strip_lines(next_bytes, tiles, blocks) : 0;
+        next_bytes > 0 ? llmserve_native::next_strip_lines(next_bytes, tiles, blocks) : 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t r0 = t * per;
       const int64_t tile = rows - r0 < per ? rows - r0 : per;
       table[tile](st, rows_at(r0), blocks, yp + (r0 * n + s * kStrip) * out_bytes, n,
-                  float_out, st[0].w + ns * strip_bytes, next_bytes, t, pf_lines);
+                  float_out, next, next_bytes, t, pf_lines);
     }
   };
-  if (rows == 1 || fns.pair == nullptr) {   // one row streams its weights; k16 keeps one strip
-    at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t s = begin; s < end; ++s) run_tiles(s, 1, kMaxRows, fns.one, s + 1 < end ? 1 : 0);
-    });
-    return y;
-  }
-  // strip pairs over threads, rows in tiles of kPairRows; an odd last strip alone
-  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t s = 2 * p;
-      if (s + 1 == strips)
-        run_tiles(s, 1, kMaxRows, fns.one, 0);
-      else   // prefetching the next pair, or the odd last strip
-        run_tiles(s, 2, kPairRows, fns.pair,
-                  p + 1 < end ? std::min<int64_t>(2, strips - s - 2) : 0);
+  // `ns` strips from s over their packed codes, the `next` strips after them prefetched
+  auto packed_tiles = [&](int64_t s, int64_t ns, int64_t per, const StripFn* table,
+                          int64_t next) {
+    const Strip st[2] = {strip_at(s), strip_at(ns == 2 ? s + 1 : s)};
+    run_tiles(st, s, per, table, st[0].w + ns * strip_bytes, next * strip_bytes);
+  };
+  // the same, the codes first expanded to bytes in this thread's panel (no unpacking per tile)
+  auto panel_tiles = [&](int64_t s, int64_t ns, int64_t per, const StripFn* table,
+                         int64_t next) {
+    constexpr int64_t kPanelBlockBytes = 512;
+    uint8_t* panel = llmserve_native::row_scratch<uint8_t>(3, ns * blocks * kPanelBlockBytes);
+    Strip st[2] = {strip_at(s), strip_at(ns == 2 ? s + 1 : s)};
+    for (int64_t i = 0; i < ns; ++i) {
+      fns.expand(st[i].w, blocks, panel + i * blocks * kPanelBlockBytes);
+      st[i].w = panel + i * blocks * kPanelBlockBytes;
     }
-  });
+    if (ns == 1) st[1] = st[0];
+    run_tiles(st, s, per, table, wp + (s + ns) * strip_bytes, next * strip_bytes);
+  };
+  // strip pairs over threads, rows in tiles of kPairRows; an odd last strip alone; each
+  // pair's tiles prefetch the next pair (or the odd last strip)
+  auto over_pairs = [&](const auto& tiles, const StripFn* one, const StripFn* pair) {
+    at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t s = 2 * p;
+        if (s + 1 == strips)
+          tiles(s, 1, kMaxRows, one, 0);
+        else
+          tiles(s, 2, kPairRows, pair, p + 1 < end ? std::min<int64_t>(2, strips - s - 2) : 0);
+      }
+    });
+  };
+  if (fns.expand != nullptr && rows >= (mode == kK16 ? kPanelRowsK16 : kPanelRows)) {
+    over_pairs(panel_tiles, fns.panel_one, fns.panel_pair);
+  } else if (rows == 1 || fns.pair == nullptr) {   // one row streams its weights; k16 one strip
+    at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s)
+        packed_tiles(s, 1, kMaxRows, fns.one, s + 1 < end ? 1 : 0);
+    });
+  } else {
+    over_pairs(packed_tiles, fns.one, fns.pair);
+  }
   return y;
 }
 
