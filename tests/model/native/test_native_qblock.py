@@ -66,7 +66,7 @@ def test_kernel_matches_its_reference_at_tile_boundaries(qtype, n):
     codes = codes_of(gguf_blocks(qtype, n, 512, seed=5))
     weight = QBlockWeight(codes)
     torch.manual_seed(0)
-    for rows in (1, 7, 8, 9, 17, 24, 31):   # 9 / 24 on: codes expanded to a panel first
+    for rows in (1, 7, 8, 9, 17, 24, 31):   # from 9 (Q6_K) / 24 rows: 5-6-bit codes through a panel
         x = torch.randn(rows, 512).bfloat16()
         y = weight.logits(x).double()
         ref = qblock_reference(x, codes)
@@ -83,7 +83,7 @@ def test_a_row_never_depends_on_its_batch(qtype):
     weight = QBlockWeight(codes_of(gguf_blocks(qtype, 48, 512, seed=7)))
     torch.manual_seed(1)
     x = torch.randn(30, 512).bfloat16()
-    batched = weight.logits(x)     # 30 rows: every 4-6-bit type through its panel of bytes
+    batched = weight.logits(x)     # 30 rows: every 5- and 6-bit type through a panel of bytes
     # every tile size of one strip (8) and of a pair (6), on packed codes and on a panel
     for rows in (*range(1, 14), 23, 24, 25):
         assert torch.equal(weight.logits(x[:rows]), batched[:rows]), rows

@@ -33,7 +33,7 @@
 //         (the file's own fp16 values: bits per weight Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625)
 // One row: strips split over threads, tiles of one strip. More rows: pairs of strips split
 // over threads, tiles of up to 6 rows x 2 strips sharing each broadcast of activation
-// codes. From kPanelRows (Q6_K: kPanelRowsK16) 4-6-bit codes are first expanded to bytes,
+// codes. From kPanelRows (Q6_K: kPanelRowsK16) 5- and 6-bit codes are first expanded to bytes,
 // a strip pair at a time, so the tiles do not unpack them again. Each tile's blocks
 // prefetch the next strip (or pair) (next_strip_prefetch.h).
 #include <ATen/Parallel.h>
@@ -93,8 +93,8 @@ struct Rows {
 
 // ROWS activation rows x NS adjacent strips (st[0..NS)); per strip, row and block the
 // scale arithmetic and its order are the same for every NS and ROWS. With PANEL, the strips'
-// codes are bytes already (a panel expand_blocks filled: the 8-bit layout); their integer dots are
-// the same numbers, so a panel changes no result.
+// codes are bytes already (a panel expand_blocks filled: the 8-bit layout); their integer
+// dots are the same numbers, so a panel changes no result.
 template <int BITS, int MODE, int ROWS, int NS, bool PANEL = false>
 __attribute__((target("avx512vnni"))) void strip_rows(const Strip* st, Rows x, int64_t blocks,
                                                       void* y, int64_t ldy, bool float_out,
@@ -228,8 +228,9 @@ using ExpandFn = void (*)(const uint8_t*, int64_t, uint8_t*);
 
 // The row functions of a (bits, mode) the loader packs: one strip and strip pairs over the
 // packed codes (none for Q6_K's k16 mode: with its two half-block epilogues, pairs measured
-// 1.05x slower), and for 4-6-bit codes strip pairs over a panel of bytes plus the expansion
-// that fills it; nulls for any other pair.
+// 1.05x slower), and for 5- and 6-bit codes strip pairs over a panel of bytes plus the
+// expansion that fills it (4-bit codes unpack in three operations: a panel of Q4_K measured
+// 0.87-1.0x); nulls for any other pair.
 struct KernelFns {
   const StripFn* one;
   const StripFn* pair;
@@ -240,7 +241,7 @@ struct KernelFns {
 
 template <int BITS, int MODE>
 constexpr KernelFns kernel_fns() {   // k16's pair kernels over packed codes never instantiated
-  if constexpr (BITS == 8)
+  if constexpr (BITS == 8 || BITS == 4)
     return {kRowFns<BITS, MODE>, kPairFns<BITS, MODE>, nullptr, nullptr, nullptr};
   else if constexpr (MODE == kK16)
     return {kRowFns<BITS, MODE>, nullptr, kPairFns<BITS, MODE, true>,
@@ -263,11 +264,12 @@ KernelFns row_fns(int64_t bits, int64_t mode) {
   return KernelFns{nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
-// Rows from which a product first expands each strip pair's codes to bytes (a thread's panel)
-// and runs its row tiles over the bytes: once a strip is read by more than one row tile, its
-// unpacking (Q6_K: a nibble split and two bit planes) costs more than writing and reading the
-// panel. Hot, 1024 x 2048, panel against packed codes: Q6_K 1.09x at 9 rows, 1.19x at 130;
-// Q5_K 0.95x at 9, 1.0x at 16, 1.05x at 24, 1.12x at 130; Q5_0 1.24x and Q5_1 1.13x at 130.
+// Rows from which a product first expands each strip pair's 5- or 6-bit codes to bytes (a
+// thread's panel) and runs its row tiles over the bytes: once a strip is read by more than
+// one row tile, its unpacking (a nibble split and one or two bit planes) costs more than
+// writing and reading the panel. Hot, 1024 x 2048, panel against packed codes: Q6_K 1.09x
+// at 9 rows, 1.19x at 130; Q5_K 0.95x at 9, 1.0x at 16, 1.05x at 24, 1.12x at 130; Q5_0
+// 1.24x and Q5_1 1.13x at 130.
 // Integer dots are the same numbers either way, so the choice changes no result.
 constexpr int64_t kPanelRowsK16 = kMaxRows + 1;
 constexpr int64_t kPanelRows = 24;
