@@ -230,7 +230,7 @@ using ExpandFn = void (*)(const uint8_t*, int64_t, uint8_t*);
 // packed codes (none for Q6_K's k16 mode: with its two half-block epilogues, pairs measured
 // 1.05x slower), and for 5- and 6-bit codes strip pairs over a panel of bytes plus the
 // expansion that fills it (4-bit codes unpack in three operations: a panel of Q4_K measured
-// 0.87-1.0x); nulls for any other pair.
+// 0.89-1.0x); nulls for any other pair.
 struct KernelFns {
   const StripFn* one;
   const StripFn* pair;
