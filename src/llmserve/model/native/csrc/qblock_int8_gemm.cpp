@@ -363,7 +363,6 @@ at::Tensor qblock_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
       fns.expand(st[i].w, blocks, panel + i * blocks * kPanelBlockBytes);
       st[i].w = panel + i * blocks * kPanelBlockBytes;
     }
-    if (ns == 1) st[1] = st[0];
     run_tiles(st, s, per, table, wp + (s + ns) * strip_bytes, next * strip_bytes);
   };
   // strip pairs over threads, rows in tiles of kPairRows; an odd last strip alone; each
