@@ -130,6 +130,11 @@ def format_kernel_plan(plan: dict[str, Any], step: str) -> str:
         + (f"; int8-activation products from {plan['cpu']['a8_library']}"
            if plan["cpu"].get("a8_library") else ""),
     ]
+    pages = plan["cpu"].get("huge_pages")
+    if pages:
+        lines.append(f"  memory:     2 MB pages: weights {pages['weights_bytes'] / 1e6:.0f} MB, "
+                     f"KV pool {pages['kv_pool_bytes'] / 2**30:.2f} GiB advised "
+                     f"(transparent huge pages: {pages['thp']})")
     granules = plan.get("gemm_row_granule") or {}
     if granules:
         lines.append("  torch gemm: " + ", ".join(

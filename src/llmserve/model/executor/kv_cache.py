@@ -21,6 +21,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.model.config import ModelConfig
+from llmserve.model.executor.huge_pages import advise_huge_pages
 from llmserve.model.platform import available_memory_bytes
 from llmserve.model.quant.kv import kv_bytes_per_head, kv_row_width
 
@@ -80,6 +81,10 @@ class KVCachePool:
         shape = (slots, model.num_key_value_heads, kv_row_width(model.head_dim, dtype))
         self.caches = [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
                        for _ in range(model.num_hidden_layers)]
+        #: bytes of the pool whose page faults map 2 MB at a time (huge_pages.py), asked
+        #: before anything is written
+        self.huge_page_bytes = advise_huge_pages([t for kv in self.caches for t in kv]) \
+            if device.type == "cpu" else 0
         if device.type == "cpu" and commit_blocks > 0:
             t0 = time.perf_counter()
             rows = commit_blocks * block_size

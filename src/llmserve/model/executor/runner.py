@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from llmserve.model.executor.background_compile import BackgroundCompile
 from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.executor.compile import CompiledDecodeStep
 from llmserve.model.executor.compiled_verify import CompiledVerifyStep
+from llmserve.model.executor.huge_pages import collapse_huge_pages, thp_setting
 from llmserve.model.executor.input_buffers import InputBuffers
 from llmserve.model.executor.kernel_plan import format_kernel_plan, kernel_plan
 from llmserve.model.executor.kv_cache import KVCachePool, plan_num_blocks
@@ -79,6 +80,17 @@ class ModelRunner:
         self.model.eval()
         self.lora = self._make_lora(cfg)   # None: no adapters, the layers stay unwrapped
         self.weight_bytes = self.model.weight_bytes
+        #: where huge pages hold the weights and the KV pool (huge_pages.py; in the plan)
+        self.huge_pages: dict[str, Any] = {"thp": thp_setting(), "weights_bytes": 0,
+                                           "kv_pool_bytes": 0}
+        if self.device.type == "cpu":
+            t1 = time.time()
+            huge, tried = collapse_huge_pages(
+                [*self.model.parameters(), *self.model.buffers()])
+            self.huge_pages["weights_bytes"] = huge
+            if tried:
+                logger.info("weights: %.0f MB of their memory in 2 MB pages (%.0f MB tried, "
+                            "%.2f s)", huge / 1e6, tried / 1e6, time.time() - t1)
         self.quantization = describe_quantization(self.model)
         logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
                     str(self.dtype).replace("torch.", ""), self.quantization, time.time() - t0)
@@ -96,6 +108,7 @@ class ModelRunner:
         self.kv = KVCachePool(mc, self.num_blocks, cfg.cache.block_size, self.kv_dtype, self.device,
                               commit_blocks=self.committed_blocks)
         self.kv_caches = self.kv.caches
+        self.huge_pages["kv_pool_bytes"] = self.kv.huge_page_bytes
         max_blocks = -(-max_model_len // cfg.cache.block_size)
         self.buffers = InputBuffers(max_tokens=max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs),
                                     max_seqs=cfg.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
@@ -140,6 +153,7 @@ class ModelRunner:
         #: which implementation runs each operation (kernel_plan.py): logged, in /v1/status
         self.kernel_plan = kernel_plan(self.model, self.backend, str(self.dtype).replace(
             "torch.", ""), str(self.kv_dtype).replace("torch.", ""))
+        self.kernel_plan["cpu"]["huge_pages"] = dict(self.huge_pages)   # not in the fingerprint
         logger.info("%s", format_kernel_plan(
             self.kernel_plan, "compiled decode step" if self.compiled else "eager"))
 
