@@ -12,13 +12,21 @@ namespace llmserve_native {
 
 // Loads every 64-byte line of the K (or V) rows of keys [l0, l1) that a task reads, and drops
 // them: a loop of independent loads keeps many cache misses in flight, where the scoring
-// loops, dozens of instructions a key, stall on one block's misses at a time (software
-// prefetches did not help). Measured inside the engine at 32 sequences x ~160 keys: 144
-// against 246-268 us a call (docs/BENCHMARKS.md, "Attention that pulls its context").
+// loops, dozens of instructions a key, stall on one block's misses at a time. Measured
+// inside the engine at 32 sequences x ~160 keys: 144 against 246-268 us a call
+// (docs/BENCHMARKS.md, "Attention that pulls its context"). The loads are preceded by a
+// pass of prefetches to L2 over the same lines: they retire at once, so the core has far
+// more lines in flight than its load queue allows, and the loads then find most of them in
+// L2 or on their way (cold 32 x 176-key calls: 203-211 against 243-257 us; "Huge pages").
 // `width` elements (a multiple of 32: head sizes 64 and 128) from each row start: the
 // row's heads that the task reads.
 inline void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
                       int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
+  for (int64_t l = l0; l < l1; ++l) {
+    if (!valid[l]) continue;
+    const char* row = reinterpret_cast<const char*>(cache + slots[l] * row_stride);
+    for (int64_t o = 0; o < width * 2; o += 64) _mm_prefetch(row + o, _MM_HINT_T2);
+  }
   __m512i x = _mm512_setzero_si512();
   for (int64_t l = l0; l < l1; ++l) {
     if (!valid[l]) continue;
