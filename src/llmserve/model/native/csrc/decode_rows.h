@@ -19,14 +19,19 @@ namespace llmserve_native {
 // more lines in flight than its load queue allows, and the loads then find most of them in
 // L2 or on their way (cold 32 x 176-key calls: 203-211 against 243-257 us; "Huge pages").
 // `width` elements (a multiple of 32: head sizes 64 and 128) from each row start: the
-// row's heads that the task reads.
-inline void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
-                      int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
+// row's heads that the task reads. `request_rows` is the prefetch pass alone.
+inline void request_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
+                         int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
   for (int64_t l = l0; l < l1; ++l) {
     if (!valid[l]) continue;
     const char* row = reinterpret_cast<const char*>(cache + slots[l] * row_stride);
     for (int64_t o = 0; o < width * 2; o += 64) _mm_prefetch(row + o, _MM_HINT_T2);
   }
+}
+
+inline void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
+                      int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
+  request_rows(cache, slots, valid, l0, l1, row_stride, width);
   __m512i x = _mm512_setzero_si512();
   for (int64_t l = l0; l < l1; ++l) {
     if (!valid[l]) continue;
@@ -55,6 +60,10 @@ inline void prefetch_rows_l2(const uint16_t* cache, const int64_t* slots, const 
 // Keys pulled at a time: 128 keys of a (slots, 2, 64) or (slots, 8, 128) cache are 32-256 KB
 // of K or V, within L2.
 constexpr int64_t kPullKeys = 128;
+// Keys of the next query row's K requested into L2 when a row task starts (paged_decode.cpp):
+// they arrive while this row is scored and summed. Cold 32 / 64-row calls over 176 keys:
+// 193-201 / 414-431 against 207-213 / 451-457 us without (K and V of the next row: no gain).
+constexpr int64_t kNextRowKeys = 256;
 static_assert(kPullKeys % 16 == 0, "a pull chunk is whole 16-key blocks");
 
 // One past a row's last valid key (0: none), 64 flags at a time from the end: a row short

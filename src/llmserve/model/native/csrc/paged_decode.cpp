@@ -250,6 +250,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         b, hkv, sp, mp, len, [&](int64_t i, int64_t kvh, int64_t task_hkv, int64_t keys,
                                  bool pull, bool prefetch_v, std::vector<float>& buf) {
           const int64_t head = i * h + kvh * g_heads, kv_offset = kvh * d;
+          // a task a row: the next row's first keys into L2, unless it reads this row's
+          // context (a prompt's causal rows start at the same slot)
+          if (prefetch_v && i + 1 < b && sp[(i + 1) * len] != sp[i * len])
+            llmserve_native::request_rows(kp, sp + (i + 1) * len, mp + (i + 1) * len, 0,
+                                          std::min(len, llmserve_native::kNextRowKeys),
+                                          row_stride, hkv * d);
           fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
                 keys, task_hkv, row_stride, static_cast<float>(scale),
                 static_cast<float>(softcap), pull, prefetch_v, op + head * d, buf);
