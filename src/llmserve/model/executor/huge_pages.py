@@ -60,7 +60,8 @@ def _huge_page_size() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _madvise() -> Optional[Callable[..., int]]:
+def libc_madvise() -> Optional[Callable[..., int]]:
+    """libc's madvise (the GIL is released while it runs), or None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -77,7 +78,7 @@ def huge_pages_enabled() -> bool:
     ``LLMSERVE_HUGE_PAGES`` not ``0``."""
     if os.environ.get("LLMSERVE_HUGE_PAGES", "1").strip().lower() in ("0", "false", "off"):
         return False
-    return _madvise() is not None and thp_setting() in ("always", "madvise")
+    return libc_madvise() is not None and thp_setting() in ("always", "madvise")
 
 
 def aligned_ranges(spans: Iterable[tuple[int, int]], size: int,
@@ -110,7 +111,7 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     returns the bytes advised (0 where huge pages are off)."""
     if not huge_pages_enabled():
         return 0
-    fn = _madvise()
+    fn = libc_madvise()
     total = 0
     for a, b in aligned_ranges(_spans(tensors), _huge_page_size(), join_gaps=False):
         if fn is not None and fn(a, b - a, MADV_HUGEPAGE) == 0:
@@ -124,7 +125,7 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     change, so this is safe on any anonymous memory, shared or not."""
     if not huge_pages_enabled():
         return 0, 0
-    fn = _madvise()
+    fn = libc_madvise()
     size = _huge_page_size()
     done = tried = 0
     for a, b in aligned_ranges(_spans(tensors), size, join_gaps=True):

@@ -18,33 +18,19 @@ pages; where the call is unavailable the prefaulter stops at its first chunk.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import sys
 import threading
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from llmserve.model.executor.huge_pages import libc_madvise as _madvise
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23
 _PAGE = 4096
-
-
-@functools.lru_cache(maxsize=1)
-def _madvise() -> Optional[Callable[..., int]]:
-    """libc's madvise (the GIL is released while it runs), or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def populate(tensors: Sequence[torch.Tensor], first_block: int, end_block: int,

@@ -10,28 +10,35 @@
 
 namespace llmserve_native {
 
-// Loads every 64-byte line of the K (or V) rows of keys [l0, l1) that a task reads, and drops
-// them: a loop of independent loads keeps many cache misses in flight, where the scoring
-// loops, dozens of instructions a key, stall on one block's misses at a time. Measured
-// inside the engine at 32 sequences x ~160 keys: 144 against 246-268 us a call
-// (docs/BENCHMARKS.md, "Attention that pulls its context"). The loads are preceded by a
-// pass of prefetches to L2 over the same lines: they retire at once, so the core has far
-// more lines in flight than its load queue allows, and the loads then find most of them in
-// L2 or on their way (cold 32 x 176-key calls: 203-211 against 243-257 us; "Huge pages").
+// Requests the K (or V) rows of keys [l0, l1) into L2 by software prefetches (HINT: T1 or
+// T2; both land in L2 here). They retire at once, so a core has far more lines in flight
+// than its load queue allows. Uses: before a pull's loads (below); the next query row's
+// first keys when a row task starts (paged_decode.cpp); the V rows of a 16-key block while
+// its K rows are scored (T1), so that the V pulls after the softmax find them: on cold
+// caches (30 layers in turn, 32-64 rows x ~170 keys) 0.94-0.96x the call's time, the same
+// bits; the pulls stay (without them the prefetched rows had not arrived: 1.1-1.2x).
 // `width` elements (a multiple of 32: head sizes 64 and 128) from each row start: the
-// row's heads that the task reads. `request_rows` is the prefetch pass alone.
+// row's heads that the task reads.
+template <_mm_hint HINT>
 inline void request_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
                          int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
   for (int64_t l = l0; l < l1; ++l) {
     if (!valid[l]) continue;
     const char* row = reinterpret_cast<const char*>(cache + slots[l] * row_stride);
-    for (int64_t o = 0; o < width * 2; o += 64) _mm_prefetch(row + o, _MM_HINT_T2);
+    for (int64_t o = 0; o < width * 2; o += 64) _mm_prefetch(row + o, HINT);
   }
 }
 
+// Loads every 64-byte line of the K (or V) rows of keys [l0, l1) that a task reads, and drops
+// them: a loop of independent loads keeps many cache misses in flight, where the scoring
+// loops, dozens of instructions a key, stall on one block's misses at a time. Measured
+// inside the engine at 32 sequences x ~160 keys: 144 against 246-268 us a call
+// (docs/BENCHMARKS.md, "Attention that pulls its context"). The loads are preceded by
+// requests to L2 for the same lines, so they find most of them in L2 or on their way (cold
+// 32 x 176-key calls: 203-211 against 243-257 us; docs/BENCHMARKS.md, "Huge pages").
 inline void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* valid,
                       int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
-  request_rows(cache, slots, valid, l0, l1, row_stride, width);
+  request_rows<_MM_HINT_T2>(cache, slots, valid, l0, l1, row_stride, width);
   __m512i x = _mm512_setzero_si512();
   for (int64_t l = l0; l < l1; ++l) {
     if (!valid[l]) continue;
@@ -41,20 +48,6 @@ inline void pull_rows(const uint16_t* cache, const int64_t* slots, const bool* v
   }
   volatile int64_t sink = _mm512_reduce_add_epi64(x);
   (void)sink;
-}
-
-// Requests the K (or V) rows of keys [l0, l1) into L2 (software prefetches): the V rows of a
-// 16-key block while its K rows are scored, so that the V pulls after the softmax find them
-// there. Measured on cold caches (30 layers in turn, 32-64 rows x ~170 keys): 0.94-0.96x the
-// call's time, the same bits; the pulls stay (without them the prefetched rows had not
-// arrived: 1.1-1.2x).
-inline void prefetch_rows_l2(const uint16_t* cache, const int64_t* slots, const bool* valid,
-                             int64_t l0, int64_t l1, int64_t row_stride, int64_t width) {
-  for (int64_t l = l0; l < l1; ++l) {
-    if (!valid[l]) continue;
-    const char* row = reinterpret_cast<const char*>(cache + slots[l] * row_stride);
-    for (int64_t o = 0; o < width * 2; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
-  }
 }
 
 // Keys pulled at a time: 128 keys of a (slots, 2, 64) or (slots, 8, 128) cache are 32-256 KB

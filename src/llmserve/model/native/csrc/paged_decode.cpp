@@ -37,7 +37,7 @@ namespace {
 
 using llmserve_native::kPullKeys;
 using llmserve_native::load_bf16x16;
-using llmserve_native::prefetch_rows_l2;
+using llmserve_native::request_rows;
 using llmserve_native::pull_rows;
 using llmserve_native::softmax_row;
 using llmserve_native::sum_lanes16;
@@ -124,7 +124,8 @@ void decode_row(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const
     if (pull && l0 % kPullKeys == 0)
       pull_rows(kc, slots, valid, l0, std::min(len, l0 + kPullKeys), row_stride, hkv * d);
     const int n = len - l0 < 16 ? static_cast<int>(len - l0) : 16;
-    if (pull && prefetch_v) prefetch_rows_l2(vc, slots, valid, l0, l0 + n, row_stride, hkv * d);
+    if (pull && prefetch_v)
+      request_rows<_MM_HINT_T1>(vc, slots, valid, l0, l0 + n, row_stride, hkv * d);
     __mmask16 live = 0;
     const uint16_t* krow[16];
     for (int i = 0; i < 16; ++i) {
@@ -253,9 +254,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
           // a task a row: the next row's first keys into L2, unless it reads this row's
           // context (a prompt's causal rows start at the same slot)
           if (prefetch_v && i + 1 < b && sp[(i + 1) * len] != sp[i * len])
-            llmserve_native::request_rows(kp, sp + (i + 1) * len, mp + (i + 1) * len, 0,
-                                          std::min(len, llmserve_native::kNextRowKeys),
-                                          row_stride, hkv * d);
+            request_rows<_MM_HINT_T2>(kp, sp + (i + 1) * len, mp + (i + 1) * len, 0,
+                                    std::min(len, llmserve_native::kNextRowKeys),
+                                    row_stride, hkv * d);
           fixed(qp + head * d, kp + kv_offset, vp + kv_offset, sp + i * len, mp + i * len,
                 keys, task_hkv, row_stride, static_cast<float>(scale),
                 static_cast<float>(softcap), pull, prefetch_v, op + head * d, buf);
