@@ -24,7 +24,7 @@ from llmserve.model.executor.background_compile import BackgroundCompile
 from llmserve.model.executor.capture import LogitsCapture
 from llmserve.model.executor.compile import CompiledDecodeStep
 from llmserve.model.executor.compiled_verify import CompiledVerifyStep
-from llmserve.model.executor.huge_pages import collapse_huge_pages, thp_setting
+from llmserve.model.executor.huge_pages import collapse_module, thp_setting
 from llmserve.model.executor.input_buffers import InputBuffers
 from llmserve.model.executor.kernel_plan import format_kernel_plan, kernel_plan
 from llmserve.model.executor.kv_cache import KVCachePool, plan_num_blocks
@@ -81,16 +81,8 @@ class ModelRunner:
         self.lora = self._make_lora(cfg)   # None: no adapters, the layers stay unwrapped
         self.weight_bytes = self.model.weight_bytes
         #: where huge pages hold the weights and the KV pool (huge_pages.py; in the plan)
-        self.huge_pages: dict[str, Any] = {"thp": thp_setting(), "weights_bytes": 0,
-                                           "kv_pool_bytes": 0}
-        if self.device.type == "cpu":
-            t1 = time.time()
-            huge, tried = collapse_huge_pages(
-                [*self.model.parameters(), *self.model.buffers()])
-            self.huge_pages["weights_bytes"] = huge
-            if tried:
-                logger.info("weights: %.0f MB of their memory in 2 MB pages (%.0f MB tried, "
-                            "%.2f s)", huge / 1e6, tried / 1e6, time.time() - t1)
+        self.huge_pages: dict[str, Any] = {"thp": thp_setting(), "kv_pool_bytes": 0,
+                                           "weights_bytes": collapse_module(self.model)}
         self.quantization = describe_quantization(self.model)
         logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
                     str(self.dtype).replace("torch.", ""), self.quantization, time.time() - t0)
