@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -80,9 +80,7 @@ class ModelRunner:
         self.model.eval()
         self.lora = self._make_lora(cfg)   # None: no adapters, the layers stay unwrapped
         self.weight_bytes = self.model.weight_bytes
-        #: where huge pages hold the weights and the KV pool (huge_pages.py; in the plan)
-        self.huge_pages: dict[str, Any] = {"thp": thp_setting(), "kv_pool_bytes": 0,
-                                           "weights_bytes": collapse_module(self.model)}
+        huge_weights = collapse_module(self.model)   # 2 MB pages (huge_pages.py)
         self.quantization = describe_quantization(self.model)
         logger.info("weights: %.1f MB resident (%s, %s) in %.1fs", self.weight_bytes / 1e6,
                     str(self.dtype).replace("torch.", ""), self.quantization, time.time() - t0)
@@ -100,7 +98,6 @@ class ModelRunner:
         self.kv = KVCachePool(mc, self.num_blocks, cfg.cache.block_size, self.kv_dtype, self.device,
                               commit_blocks=self.committed_blocks)
         self.kv_caches = self.kv.caches
-        self.huge_pages["kv_pool_bytes"] = self.kv.huge_page_bytes
         max_blocks = -(-max_model_len // cfg.cache.block_size)
         self.buffers = InputBuffers(max_tokens=max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs),
                                     max_seqs=cfg.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
@@ -145,7 +142,9 @@ class ModelRunner:
         #: which implementation runs each operation (kernel_plan.py): logged, in /v1/status
         self.kernel_plan = kernel_plan(self.model, self.backend, str(self.dtype).replace(
             "torch.", ""), str(self.kv_dtype).replace("torch.", ""))
-        self.kernel_plan["cpu"]["huge_pages"] = dict(self.huge_pages)   # not in the fingerprint
+        self.kernel_plan["cpu"]["huge_pages"] = {   # not in the fingerprint
+            "thp": thp_setting(), "weights_bytes": huge_weights,
+            "kv_pool_bytes": self.kv.huge_page_bytes}
         logger.info("%s", format_kernel_plan(
             self.kernel_plan, "compiled decode step" if self.compiled else "eager"))
 
